@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check harness_rl proxy adapters tests benchmarks examples
+	$(BIN)/mypy
 
 lock: $(STAMP)
 	{ echo "# Exact versions CI installs (pip freeze of a working .venv on this machine kind). Refresh with: make lock"; \

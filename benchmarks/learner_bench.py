@@ -70,8 +70,9 @@ def merging_report(rng: random.Random) -> None:
 
 
 def throughput_report(quick: bool) -> None:
+    from harness_rl.config import LearnerConfig
     from harness_rl.engine import build_tiny_model
-    from harness_rl.learner import Learner, LearnerConfig
+    from harness_rl.learner import Learner
     from harness_rl.metrics import MetricsLogger
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
@@ -112,8 +113,9 @@ def staleness_report(quick: bool) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from harness_rl.config import LearnerConfig, LossConfig
     from harness_rl.engine import Engine, SamplingParams, build_tiny_model
-    from harness_rl.learner import Learner, LearnerConfig
+    from harness_rl.learner import Learner
     from harness_rl.metrics import MetricsLogger
     from harness_rl.weight_sync import InProcessSync
 
@@ -142,8 +144,9 @@ def staleness_report(quick: bool) -> None:
 
     async def run(lag: int, decoupled: bool) -> float:
         engine = Engine.from_pretrained(model_dir)
-        learner = Learner(model_dir, LearnerConfig(learning_rate=1e-2, max_staleness=None, decoupled=decoupled),
-                          weight_sync=InProcessSync(engine), metrics=MetricsLogger(None, console=False))
+        settings = LearnerConfig(learning_rate=1e-2, max_staleness=None, loss=LossConfig(decoupled=decoupled))
+        learner = Learner(model_dir, settings, weight_sync=InProcessSync(engine),
+                          metrics=MetricsLogger(None, console=False))
         pipeline: collections.deque[RolloutGroup] = collections.deque()
         sampled = []
         for step in range(steps + lag):

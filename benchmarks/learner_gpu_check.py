@@ -77,7 +77,8 @@ def check_kernels(model_dir: Path) -> None:
 
 
 def time_learner(model_dir: Path) -> None:
-    from harness_rl.learner import Learner, LearnerConfig
+    from harness_rl.config import LearnerConfig
+    from harness_rl.learner import Learner
     from harness_rl.metrics import MetricsLogger
     from harness_rl.outcome import RolloutGroup, RolloutOutcome
     from harness_rl.trace import TrainingTrace, Turn

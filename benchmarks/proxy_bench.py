@@ -135,7 +135,7 @@ class Target:
         if self.kind == "openenv":
             return f"{self.base}/v1/chat/completions", {"Authorization": f"Bearer {info['session_id']}",
                                                         "Content-Type": "application/json"}
-        return f"{info['openai_base_url']}/chat/completions", {"Authorization": "Bearer agent-own-key",
+        return f"{info['openai_base_url']}/chat/completions", {"Authorization": f"Bearer {info['key']}",
                                                                "Content-Type": "application/json"}
 
 
@@ -282,8 +282,8 @@ def start_ours(engine: str, work: Path) -> Target:
     stats = work / f"ours-gc-{time.monotonic_ns()}.json"
     process = subprocess.Popen(
         [PYTHON, "-c", GC_WRAPPER, "harness_rl.cli", "serve", "proxy", "--upstream", engine, "--port", "0",
-         "--store", str(work / "store"), "--admin-token", "bench"],
-        env={**os.environ, "GC_STATS": str(stats)}, stdout=subprocess.PIPE,
+         "--store", str(work / "store")],
+        env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
         stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
     url = process.stdout.readline().decode().split()[3]
     wait_health(url, process)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from openenv.core.harness.training import TrainingTrace as OpenEnvTrace
 
-from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.trace import Reply, Request, Sampling, ToolCall, TrainingTrace, Turn
 
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 300,
                                           "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
@@ -42,9 +42,9 @@ def agent_trace(n_turns: int, context_tokens: int, seed: int = 0) -> TrainingTra
             prompt_token_ids=list(prompt), completion_token_ids=completion,
             per_token_logps=[-rng.random() * 3 for _ in completion],
             loss_mask=[0] * len(prompt) + [1] * completion_len, policy_version=i // 10,
-            finish_reason="tool_calls", request={"messages": list(messages), "tools": TOOLS},
-            response={"choices": [{"message": reply, "finish_reason": "tool_calls"}]},
-            metadata={"turn": i, "sampling_params": {"temperature": 1.0, "top_p": 1.0}},
+            finish_reason="tool_calls", request=Request(messages=list(messages), tools=TOOLS),
+            reply=Reply(tool_calls=[ToolCall(id=f"call_{i}", name="tool_1", arguments='{"x": "ls"}')]),
+            sampling=Sampling(temperature=1.0, requested={"top_p": 1.0}), metadata={"turn": i},
         ))
         tool_output = [rng.randrange(32000) for _ in range(tool_len)]
         prompt = prompt + completion + tool_output

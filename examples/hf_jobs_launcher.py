@@ -51,7 +51,7 @@ def vllm_command(model: str, served_name: str, *, port: int, max_model_len: int,
 
 
 def train_command(model: str, output_dir: str, train_args: list[str], *, port: int) -> list[str]:
-    return ["harness-rl", "train", "--engine", f"http://127.0.0.1:{port}", "--model", model,
+    return ["harness-rl", "train", "--preset", "real", "--engine", f"http://127.0.0.1:{port}", "--model", model,
             "--weight-sync", "nccl", "--output-dir", output_dir, *train_args]
 
 

@@ -1,9 +1,10 @@
 """Checkpoints that resume a run as if it never stopped.
 
 A checkpoint directory holds `model/` (`save_pretrained`: loadable by the engine and by anyone) and
-`trainer_state.pt`: optimizer, LR scheduler, every RNG, the step, the policy version, and an opaque
-dict the rollout scheduler fills with its queue and rollout position. It is written to a temporary
-directory and renamed into place, so a crash mid-save never leaves a half checkpoint behind.
+`trainer_state.pt`: optimizer, LR scheduler, every RNG, the step, the policy version, and the rollout
+scheduler's position (next task, groups started; groups that were in flight are not replayed on
+resume). It is written to a temporary directory and renamed into place, so a crash mid-save never
+leaves a half checkpoint behind. Listing checkpoints needs no torch.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -55,8 +58,10 @@ def prune_checkpoints(output_dir: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(path: str | Path, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                     scheduler: Any, state: TrainerState) -> Path:
+    import torch
+
     path = Path(path)
     staging = path.with_name(path.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -78,6 +83,7 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> TrainerState:
     """Restore everything in place; the model's weights come from `path/model`."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -97,6 +103,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
 
 def _rng_state() -> dict[str, Any]:
+    import torch
+
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -104,6 +112,8 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():

@@ -6,13 +6,21 @@ and imports its heavy machinery only when run, so `harness-rl serve proxy` never
 
 import argparse
 import sys
+from typing import NoReturn
 
 from harness_rl import __version__
 from harness_rl.commands import serve_engine, serve_proxy, traces, train
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag (`harness-rl train: argument --max-steps: ...`), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="harness-rl",
         description="Train LLM agents with GRPO on the outcomes of real agent harnesses.",
     )

@@ -30,25 +30,13 @@ token of the step, so micro-batching and gradient accumulation never change the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from harness_rl.config import LossConfig
+
 Normalization = Literal["token", "rollout"]
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    tis_cap: float | None = 3.0
-    beta: float = 0.0
-    decoupled: bool = False
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 def group_advantages(rewards: Sequence[float | None], eps: float = 1e-8) -> list[float | None] | None:

@@ -1,9 +1,9 @@
 """The learner: a plain synchronous torch loop that turns finished rollout groups into gradient steps.
 
-Rollouts keep running elsewhere (asyncio) and hand finished `RolloutGroup`s over a thread-safe queue.
-Each step: samples (rows, advantages, staleness, token weights) → padding-free micro-batches →
-logprobs → loss → backward, accumulated over every micro-batch of the step → grad-norm clip → AdamW →
-LR schedule → policy version + 1 → weight sync (every `sync_every` steps).
+Rollouts keep running elsewhere (asyncio); the run loop (`harness_rl.train`) hands the learner finished
+`RolloutGroup`s, one step at a time. Each step: samples (rows, advantages, staleness, token weights) →
+padding-free micro-batches → logprobs → loss → backward, accumulated over every micro-batch of the step →
+grad-norm clip → AdamW → LR schedule → policy version + 1 → weight sync (every `sync_every` steps).
 
 Weights are float32 on every device; on a GPU the forward runs under bf16 autocast (the engine's
 usual dtype), with the LM head and the loss in float32.
@@ -12,14 +12,12 @@ usual dtype), with the LM head and the loss in float32.
 from __future__ import annotations
 
 import math
-import queue
 import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, cast
 
 import torch
 
@@ -30,82 +28,53 @@ from harness_rl.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from harness_rl.grpo import LossConfig, Normalization, grpo_loss
+from harness_rl.config import LearnerConfig
+from harness_rl.grpo import grpo_loss
 from harness_rl.metrics import MetricsLogger
 from harness_rl.outcome import RolloutGroup
 from harness_rl.packing import fill_fraction, pack, packed_logprobs
 from harness_rl.samples import build_samples
 from harness_rl.weight_sync import NoSync, WeightSync, WeightSyncError
 
-Schedule = Literal["constant", "linear", "cosine"]
-
-
-@dataclass
-class LearnerConfig:
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    lr_scheduler: Schedule = "constant"
-    warmup_steps: int = 0
-    max_steps: int = 0  # the horizon of a decaying schedule
-    max_grad_norm: float | None = 1.0
-    token_budget: int = 16384  # tokens per micro-batch
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    tis_cap: float | None = 3.0
-    beta: float = 0.0
-    decoupled: bool = False  # decoupled PPO: clip against the current policy, IS-correct the behaviour one
-    loss_normalization: Normalization = "token"
-    max_staleness: int | None = 4
-    temperature: float = 1.0
-    gradient_checkpointing: bool = False
-    device: str = "auto"  # "auto": cuda when available
-    attn_implementation: str | None = None  # None: flash_attention_2 on cuda when installed, else sdpa
-    sync_every: int = 1
-    max_sync_failures: int = 3  # consecutive failed weight syncs tolerated (retried next step) before raising
-    save_total_limit: int | None = None  # keep only the newest N checkpoints
-    seed: int = 0
-
-    @property
-    def loss(self) -> LossConfig:
-        return LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, tis_cap=self.tis_cap,
-                          beta=self.beta, decoupled=self.decoupled)
-
 
 class Learner:
     """Owns the policy, its optimizer and schedule, and pushes each new version to the engine."""
 
-    def __init__(self, model_dir: str | Path, config: LearnerConfig | None = None,
-                 weight_sync: WeightSync | None = None, output_dir: str | Path | None = None,
-                 metrics: MetricsLogger | None = None, policy_version: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, config: LearnerConfig | None = None, *, temperature: float = 1.0,
+                 seed: int = 0, weight_sync: WeightSync | None = None, output_dir: str | Path | None = None,
+                 metrics: MetricsLogger | None = None, save_total_limit: int | None = None) -> None:
+        """`temperature` is the one the proxy pins for sampling: logprobs are compared at it; checkpoints go to
+        `output_dir/checkpoints`, the newest `save_total_limit` kept."""
         from transformers import AutoModelForCausalLM
 
         self.config = config = config or LearnerConfig()
+        self.temperature = temperature
         self.output_dir = Path(output_dir) if output_dir is not None else None
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
+        self.save_total_limit = save_total_limit
+        random.seed(seed)
+        torch.manual_seed(seed)
         self.device = torch.device(_device(config.device))
         attn = config.attn_implementation or _attention(self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                          attn_implementation=attn).to(self.device)
+        self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                         attn_implementation=attn))
+        self.model.to(self.device)
         if config.gradient_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = False
         self.model.train()
-        self.ref_model = None
-        if config.beta:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                  attn_implementation=attn).to(self.device)
-            self.ref_model.eval().requires_grad_(False)
+        self.ref_model: Any = None
+        if config.loss.beta:
+            self.ref_model = cast(Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                            attn_implementation=attn))
+            self.ref_model.to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
-                                           betas=config.adam_betas, eps=config.adam_eps,
+                                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.weight_sync = weight_sync or NoSync()
         self.metrics = metrics or MetricsLogger(self.output_dir)
         self.step_count = 0
-        self.policy_version = policy_version
+        self.policy_version = 0
         self.extra_state: dict[str, Any] = {}
         self.sync_failures = 0
 
@@ -117,9 +86,9 @@ class Learner:
         config, started = self.config, time.perf_counter()
         samples, metrics = build_samples(groups, policy_version=self.policy_version,
                                          max_staleness=config.max_staleness,
-                                         normalization=config.loss_normalization,
-                                         keep_zero_advantage=bool(config.beta),
-                                         temperature=config.temperature)
+                                         normalization=config.loss.normalization,
+                                         keep_zero_advantage=bool(config.loss.beta),
+                                         temperature=self.temperature)
         metrics["perf/rollout_wait_s"] = rollout_wait_s
         if not samples:
             # A skipped step: nothing to learn from (e.g. every group had zero reward variance). It still
@@ -135,11 +104,11 @@ class Learner:
         for batch in batches:
             batch = batch.to(self.device)
             with self._autocast():
-                logps, entropy = packed_logprobs(self.model, batch, config.temperature)
+                logps, entropy = packed_logprobs(self.model, batch, self.temperature)
                 ref_logps = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref_logps, _ = packed_logprobs(self.ref_model, batch, config.temperature)
+                        ref_logps, _ = packed_logprobs(self.ref_model, batch, self.temperature)
             loss, stats = grpo_loss(logps, batch.behaviour_logps, batch.advantages, batch.weights,
                                     config.loss, ref_logps, batch.row_index)
             loss.backward()
@@ -148,7 +117,7 @@ class Learner:
             for key, value in stats.items():
                 sums[key] = _reduce(key, sums.get(key), float(value))
         fwd_bwd_s = time.perf_counter() - started
-        learning_rate = self.scheduler.get_last_lr()[0]
+        learning_rate = float(self.scheduler.get_last_lr()[0])
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
@@ -188,20 +157,6 @@ class Learner:
         self.metrics.log(self.step_count, metrics)
         return metrics
 
-    def run(self, groups: queue.Queue, *, max_steps: int, groups_per_step: int = 1, save_every: int = 0,
-            timeout_s: float | None = None) -> None:
-        """Train from a queue of `RolloutGroup`s until `max_steps`; `None` in the queue stops early."""
-        while self.step_count < max_steps:
-            batch, waited = [], time.perf_counter()
-            while len(batch) < groups_per_step:
-                group = groups.get(timeout=timeout_s)
-                if group is None:
-                    return
-                batch.append(group)
-            self.step(batch, rollout_wait_s=time.perf_counter() - waited)
-            if save_every and self.step_count % save_every == 0:
-                self.save()
-
     def sync_weights(self) -> None:
         """Push the current weights and version to the engine (also after `load`, to a fresh engine)."""
         self.weight_sync.push(self.model, self.policy_version)
@@ -228,8 +183,8 @@ class Learner:
             path = checkpoint_dir(self.output_dir, self.step_count)
         state = TrainerState(step=self.step_count, policy_version=self.policy_version, extra=self.extra_state)
         saved = save_checkpoint(path, self.model, self.optimizer, self.scheduler, state)
-        if self.config.save_total_limit and self.output_dir is not None:
-            prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        if self.save_total_limit and self.output_dir is not None:
+            prune_checkpoints(self.output_dir, self.save_total_limit)
         return saved
 
     def load(self, path: str | Path) -> dict[str, Any]:

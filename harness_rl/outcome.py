@@ -30,6 +30,7 @@ class RolloutOutcome(msgspec.Struct, kw_only=True):
     timed_out: bool = False
     exit_code: int | None = None
     error: str | None = None
+    config_error: bool = False  # failed for a reason of the run's setup (sandbox, harness install), not the task
     duration_s: float = 0.0
 
     @property
@@ -43,7 +44,6 @@ class RolloutGroup(msgspec.Struct, kw_only=True):
     group_id: int
     task: str
     outcomes: list[RolloutOutcome]
-    policy_version: int = 0
 
 
 RewardFn = Callable[[RolloutOutcome], "float | None"]

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from harness_rl.samples import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -119,7 +123,7 @@ def fill_fraction(batches: Sequence[MicroBatch], token_budget: int) -> float:
 
 
 def packed_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, temperature: float = 1.0, chunk_size: int = 4096,
+    model: PreTrainedModel, batch: MicroBatch, temperature: float = 1.0, chunk_size: int = 4096,
     split_rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each trained token under `model` at `temperature`, and the entropy there (detached).
@@ -154,7 +158,7 @@ def packed_logprobs(
     return torch.cat(logps), torch.cat(entropies)
 
 
-def varlen_packing(model: torch.nn.Module) -> bool:
+def varlen_packing(model: PreTrainedModel) -> bool:
     """Whether one packed forward keeps rows apart at varlen cost: flash attention, and attention in
     every layer (recurrent or convolutional mixers, as in hybrid linear-attention models, would carry
     state from one row into the next)."""

@@ -30,7 +30,6 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -38,10 +37,13 @@ import aiohttp
 
 from adapters.harnesses import AgentRun, Endpoint, Harness, create_harness, tool_calls_in_trace
 from adapters.sandboxes import Sandbox, SandboxError, SandboxStartError, create_sandbox
-from adapters.tasks import Task, verify
+from adapters.tasks import Task
+from adapters.verifier import verify
+from harness_rl.config import RolloutConfig
 from harness_rl.outcome import RewardFn, RolloutGroup, RolloutOutcome, default_reward
 from harness_rl.trace import TrainingTrace
-from proxy.client import ProxyClient, SessionInfo
+from proxy.client import ProxyClient
+from proxy.control_api import SessionInfo
 
 log = logging.getLogger(__name__)
 DEFAULT_AGENT_TIMEOUT_S = 600.0
@@ -52,27 +54,9 @@ class RolloutConfigError(ValueError):
     """A setting that would make every rollout fail (e.g. a loopback proxy URL for a cloud sandbox)."""
 
 
-@dataclass
-class RolloutConfig:
-    """How rollouts are run; the CLI's flags map onto these fields."""
-
-    harness: str = "echo"
-    harness_options: dict[str, Any] = field(default_factory=dict)
-    sandbox: str = "local"
-    sandbox_options: dict[str, Any] = field(default_factory=dict)
-    num_generations: int = 4
-    max_concurrent_rollouts: int = 4
-    agent_timeout_s: float | None = None
-    reward_key: str | None = None
-    sandbox_start_attempts: int = 3
-    sandbox_retry_backoff_s: float = 1.0
-    max_turns: int | None = None
-    max_tokens_per_turn: int | None = None
-    delete_sessions: bool = False
-
-    @property
-    def max_groups_in_flight(self) -> int:
-        return max(1, math.ceil(self.max_concurrent_rollouts / self.num_generations)) + 1
+def max_groups_in_flight(config: RolloutConfig) -> int:
+    """Enough groups to keep every rollout slot busy, plus one starting while the last ones finish."""
+    return max(1, math.ceil(config.max_concurrent_rollouts / config.num_generations)) + 1
 
 
 class RolloutScheduler:
@@ -91,7 +75,7 @@ class RolloutScheduler:
             raise RolloutConfigError("no tasks to run")
         self.tasks = list(tasks)
         self.proxy = proxy
-        self.config = config or RolloutConfig()
+        self.config = config or RolloutConfig(harness="echo")
         self.reward_fn = rollout_reward_fn
         self.harness = harness or create_harness(self.config.harness, **self.config.harness_options)
         self.sandbox_factory = sandbox_factory or (
@@ -120,7 +104,7 @@ class RolloutScheduler:
         try:
             while True:
                 wanted = num_groups is None or started < num_groups
-                while wanted and len(in_flight) < self.config.max_groups_in_flight:
+                while wanted and len(in_flight) < max_groups_in_flight(self.config):
                     task, group_id = self._next_group()
                     in_flight.add(asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}"))
                     started += 1
@@ -147,11 +131,7 @@ class RolloutScheduler:
                         for i in range(self.config.num_generations)]
         except* RolloutConfigError as errors:
             raise errors.exceptions[0] from None
-        outcomes = [run.result() for run in runs]
-        versions = [turn.policy_version for o in outcomes if o.trace for turn in o.trace.turns
-                    if turn.policy_version is not None]
-        return RolloutGroup(group_id=group_id, task=task.name, outcomes=list(outcomes),
-                            policy_version=min(versions, default=0))
+        return RolloutGroup(group_id=group_id, task=task.name, outcomes=[run.result() for run in runs])
 
     async def run_rollout(self, task: Task, group_id: int, index: int) -> RolloutOutcome:
         """One agent run, scored; never raises for a failure of the rollout itself (that is its outcome)."""
@@ -188,6 +168,7 @@ class RolloutScheduler:
             except (SandboxError, OSError, RuntimeError, ValueError, TimeoutError, aiohttp.ClientError) as error:
                 outcome.env_reward = outcome.reward = None
                 outcome.error = f"{type(error).__name__}: {error}"
+                outcome.config_error = isinstance(error, SandboxError | ImportError | FileNotFoundError)
                 log.warning("rollout %s of %s is unscorable: %s", rollout_id, task.name, outcome.error)
             except Exception as error:
                 outcome.env_reward = outcome.reward = None

@@ -85,7 +85,7 @@ def trace_rows(trace: TrainingTrace) -> list[Row]:
 
     rows: list[Row] = []
     row_of: dict[str, Row] = {}
-    stack = [(None, turn) for turn in reversed(children.get(None, []))]
+    stack: list[tuple[str | None, Turn]] = [(None, turn) for turn in reversed(children.get(None, []))]
     while stack:
         parent_id, turn = stack.pop()
         if turn.node_id not in useful:

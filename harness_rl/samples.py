@@ -6,9 +6,9 @@
 - Groups without reward variance and rollouts whose advantage is exactly 0 produce no samples (no
   forward pass spent on a zero gradient), unless a KL penalty is on.
 - Staleness is per token: a trained token sampled more than `max_staleness` policy versions ago is
-  dropped (it stays in its row as context); fresher tokens are trained and corrected by the loss's
-  truncated importance ratio against their own behaviour logprobs. Tokens of unknown version are
-  treated as fresh.
+  not trained (it stays as context when a later trained token follows it, else it is cut); fresher
+  tokens are trained and corrected by the loss's truncated importance ratio against their own
+  behaviour logprobs. Tokens of unknown version are treated as fresh.
 - A turn the proxy recorded as sampled at another temperature than the learner's is kept as context
   only: its behaviour logprobs describe a different distribution, so its ratios would be wrong.
 """
@@ -130,8 +130,8 @@ def _untrain_other_temperatures(trace: TrainingTrace, temperature: float) -> tup
     """The trace with turns sampled at another recorded temperature marked context-only; their masked count."""
     turns, mismatched = [], 0
     for turn in trace.turns:
-        recorded = (turn.metadata.get("sampling_params") or {}).get("temperature")
-        if turn.role == "agent" and recorded is not None and abs(float(recorded) - temperature) > 1e-6:
+        recorded = turn.sampling.temperature if turn.sampling is not None else None
+        if turn.role == "agent" and recorded is not None and abs(recorded - temperature) > 1e-6:
             mismatched += sum(turn.completion_mask)
             turn = msgspec.structs.replace(turn, role="discarded")
         turns.append(turn)

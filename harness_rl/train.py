@@ -1,14 +1,14 @@
 """`harness-rl train`: an engine, the intercept proxy, the rollout scheduler and the learner, wired up.
 
-Two threads of control. A background asyncio loop runs the proxy and the scheduler: real agents in
-sandboxes, each in its own capture session, G per task, several groups in flight. The main thread
-runs the learner, a plain torch loop, on finished groups handed over a bounded queue; after every
-step it pushes the new weights into the engine (gated at the proxy, so no agent call straddles two
-versions) and rollouts continue against the new policy. The queue bound, plus `max_staleness` in
-the learner, keep the rollouts from running far ahead of the policy.
+Two threads of control. A `BackgroundLoop` runs the proxy and the rollout scheduler: real agents in
+sandboxes, each in its own capture session, G per task, several groups in flight. The calling thread
+runs the one training loop (`Run.train`): it takes finished groups, makes a learner step, writes the
+rollouts and their traces, and the learner pushes the new weights into the engine (gated at the proxy,
+so no agent call straddles two versions) while rollouts continue against the new policy. A bounded
+hand-over queue, plus `max_staleness` in the learner, keep the rollouts from running far ahead.
 
-With no arguments everything is the embedded default: the tiny offline model in the embedded engine
-on CPU, the `echo` harness, the local sandbox and the shipped `digits` demo task.
+`build_run(config)` builds everything from a checked `RunConfig`; tests drive it with a fake harness,
+sandbox or reward function in place of the real ones.
 """
 
 from __future__ import annotations
@@ -16,145 +16,74 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import threading
+import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness_rl.outcome import RolloutGroup
+from harness_rl.background import BackgroundLoop
+from harness_rl.config import RunConfig, to_toml
+from harness_rl.outcome import RewardFn, RolloutGroup, default_reward
 
-EXAMPLE_TASKS = Path(__file__).resolve().parent.parent / "examples" / "tasks"
-DEMO_TASK = EXAMPLE_TASKS / "digits"
-# The tiny random model learns the demo in about a minute with large steps; real models get TRL's
-# AsyncGRPO default.
-TINY_MODEL_DEFAULTS = {"learning_rate": 1e-2}
-MODEL_DEFAULTS = {"learning_rate": 1e-6}
-
-
-class TrainConfigError(ValueError):
-    """A combination of settings that cannot run; the message says which and what to do."""
-
-
-@dataclass
-class TrainConfig:
-    """Every `harness-rl train` setting; `--config FILE` (TOML or JSON) sets these by name."""
-
-    harness: str = "echo"
-    tasks: str = str(DEMO_TASK)
-    model: str = "tiny"
-    engine: str = "embedded"  # or the URL of a running engine (vLLM, or `harness-rl serve engine`)
-    weight_sync: str = "auto"  # auto | inprocess | http | nccl | none
-    sandbox: str = "local"
-    num_generations: int = 8
-    max_concurrent_rollouts: int = 8
-    groups_per_step: int = 1
-    max_steps: int = 40
-    learning_rate: float | None = None  # None: 1e-2 for the tiny model, 1e-6 otherwise
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0
-    max_staleness: int = 4
-    temperature: float = 1.0
-    max_tokens_per_turn: int | None = 16
-    max_turns: int | None = 32
-    agent_timeout_s: float | None = None
-    reward_key: str | None = None
-    token_budget: int = 16384
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    # Rollouts run about one policy version ahead of the learner, so the trust region is taken against
-    # the current weights (decoupled PPO) and only truncated IS corrects for the sampler; clipping
-    # against the sampler itself stalls learning from stale tokens (see harness_rl.grpo).
-    decoupled: bool = True
-    beta: float = 0.0
-    loss_normalization: str = "token"
-    gradient_checkpointing: bool = False
-    output_dir: str | None = None  # None: runs/<harness>-<UTC time>
-    resume: bool = False
-    save_every: int = 10
-    save_total_limit: int | None = 3
-    seed: int = 0
-    proxy_host: str = "127.0.0.1"
-    proxy_port: int = 0
-    advertise_url: str | None = None
-    harness_options: dict[str, Any] = field(default_factory=dict)
-    sandbox_options: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-    def resolved(self, name: str) -> float:
-        """A setting left at None takes the tiny-model or the real-model default."""
-        value = getattr(self, name)
-        if value is not None:
-            return value
-        return (TINY_MODEL_DEFAULTS if self.model == "tiny" else MODEL_DEFAULTS)[name]
+if TYPE_CHECKING:
+    from adapters.harnesses import Harness
+    from adapters.sandboxes import Sandbox
+    from harness_rl.learner import Learner
+    from harness_rl.rollouts import RolloutScheduler
+    from harness_rl.run_files import RunFiles
+    from harness_rl.weight_sync import WeightSync
+    from proxy.client import ProxyClient
+    from proxy.server import RunningProxy
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Settings from a TOML or JSON file, checked against `TrainConfig`'s names."""
-    import json
-    import tomllib
+class RunStopped(RuntimeError):
+    """The run cannot go on (every rollout of a step failed for a setup reason); the message says why."""
 
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise TrainConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "TOML"
-        raise TrainConfigError(f"config file {path} is not valid {kind}: {exc}") from None
-    settings = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(settings) - TrainConfig.names())
-    if unknown:
-        raise TrainConfigError(f"config file {path}: unknown settings {', '.join(unknown)}")
-    return settings
+
+def default_output_dir(config: RunConfig) -> Path:
+    return Path("runs") / f"{config.rollouts.harness}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
 
 @dataclass
-class _Engine:
+class Engine:
     """Where rollouts are sampled and where new weights go."""
 
     url: str
     model_dir: Path
-    sync: Any
-    close: Any
+    sync: WeightSync
+    close: Callable[[], None]
 
 
-def _start_engine(config: TrainConfig) -> _Engine:
+def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
+    """The embedded engine in this process, or a client of the running engine at `--engine URL`."""
     from harness_rl import weight_sync as ws
 
-    if config.engine == "embedded":
-        from harness_rl.engine import Engine, serve_in_thread
+    settings = config.engine
+    if settings.engine == "embedded":
+        from harness_rl.engine import Engine as EmbeddedEngine
+        from harness_rl.engine import serve_in_thread
+        from harness_rl.engine.engine import DEFAULT_MAX_MODEL_LEN
 
-        engine = Engine.from_pretrained(config.model, seed=config.seed)
+        engine = EmbeddedEngine.from_pretrained(settings.model, seed=config.seed,
+                                                max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN)
         server = serve_in_thread(engine)
-        model_dir = Path(engine.model.name_or_path)
-        if config.weight_sync not in ("auto", "inprocess", "none"):
-            raise TrainConfigError("the embedded engine takes weights in-process: use --weight-sync auto")
-        sync = ws.NoSync() if config.weight_sync == "none" else ws.InProcessSync(engine)
+        sync: WeightSync = ws.NoSync() if settings.weight_sync == "none" else ws.InProcessSync(engine)
 
         def close() -> None:
             server.stop()
             engine.close()
 
-        return _Engine(server.url, model_dir, sync, close)
+        return Engine(server.url, Path(engine.model.name_or_path), sync, close)
 
-    url = config.engine.rstrip("/")
-    if config.model == "tiny":
-        raise TrainConfigError("with --engine URL, --model must name the weights that engine serves "
-                               "(a local directory or hub id), so the learner trains the same model")
-    kind = config.weight_sync
+    url = settings.engine.rstrip("/")
+    kind = settings.weight_sync
     if kind == "auto":
         kind = "http" if _is_embedded_engine(url) else "nccl"
-    syncs = {"http": lambda: ws.HttpEngineSync(url), "nccl": lambda: ws.VllmNcclSync(url), "none": ws.NoSync}
-    if kind not in syncs:
-        raise TrainConfigError(f"unknown --weight-sync {kind!r}: use auto, http, nccl or none")
-    return _Engine(url, Path(config.model), syncs[kind](), lambda: None)
+    syncs: dict[str, Callable[[], WeightSync]] = {
+        "http": lambda: ws.HttpEngineSync(url, loop), "nccl": lambda: ws.VllmNcclSync(url, loop), "none": ws.NoSync}
+    return Engine(url, Path(settings.model), syncs[kind](), lambda: None)
 
 
 def _is_embedded_engine(url: str) -> bool:
@@ -168,172 +97,181 @@ def _is_embedded_engine(url: str) -> bool:
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             return response.headers.get(POLICY_VERSION_HEADER) is not None
     except (urllib.error.URLError, OSError) as exc:
-        raise TrainConfigError(f"engine {url} is not reachable: {exc}") from None
+        raise RunStopped(f"engine {url} is not reachable: {exc}") from None
 
 
-class _Rollouts:
-    """The proxy and the scheduler on their own event loop; the learner pulls finished groups."""
+@dataclass
+class Run:
+    """A started run: engine, proxy and scheduler on the background loop, the learner, the run directory."""
 
-    def __init__(self, config: TrainConfig, engine_url: str, store_dir: Path) -> None:
-        self.config, self.engine_url, self.store_dir = config, engine_url, store_dir
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="harness-rl-rollouts", daemon=True)
-        self.proxy: Any = None
-        self.scheduler: Any = None
-        self.client: Any = None
-        self.ready: asyncio.Queue[RolloutGroup] | None = None
-        self.task: asyncio.Task | None = None
+    config: RunConfig
+    output_dir: Path
+    loop: BackgroundLoop
+    engine: Engine
+    proxy: RunningProxy
+    client: ProxyClient
+    scheduler: RolloutScheduler
+    learner: Learner
+    files: RunFiles
+    tokenizer: Any
+    ready: asyncio.Queue[RolloutGroup] | None = None
+    rolling: asyncio.Task[None] | None = None
+    started: float = field(default_factory=time.time)
 
-    def start(self, scheduler_state: dict[str, int] | None) -> None:
-        self.thread.start()
-        self._call(self._start(scheduler_state), timeout=120)
+    def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """The training loop: rollouts in, one learner step per `groups_per_step` groups, until `max_steps`."""
+        settings = self.config.learner
+        self.loop.run(self._start_rollouts())
+        while self.learner.step_count < settings.max_steps:
+            waited = time.perf_counter()
+            batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
+            _stop_on_setup_failures(batch, self.learner.step_count + 1)
+            metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            self.files.write(self.learner.step_count, batch)
+            self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
+            if on_step is not None:
+                on_step(self.learner.step_count, metrics)
+            if self.config.output.save_every and self.learner.step_count % self.config.output.save_every == 0:
+                self.save()
+        self.save()
 
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
-
-    async def _start(self, scheduler_state: dict[str, int] | None) -> None:
-        from adapters.tasks import load_tasks
-        from harness_rl.rollouts import RolloutConfig, RolloutScheduler
-        from proxy.client import ProxyClient
-        from proxy.sampling import SamplingPolicy
-        from proxy.server import ProxyConfig, start_proxy
-
-        config = self.config
-        tasks = load_tasks(config.tasks)
-        self.proxy = await start_proxy(ProxyConfig(
-            upstream=self.engine_url, host=config.proxy_host, port=config.proxy_port, store_dir=self.store_dir,
-            advertise_url=config.advertise_url, sampling=SamplingPolicy(temperature=config.temperature)))
-        self.client = ProxyClient(self.proxy.url, self.proxy.admin_token)
-        self.scheduler = RolloutScheduler(tasks, self.client, RolloutConfig(
-            harness=config.harness, harness_options=config.harness_options, sandbox=config.sandbox,
-            sandbox_options=config.sandbox_options, num_generations=config.num_generations,
-            max_concurrent_rollouts=config.max_concurrent_rollouts, agent_timeout_s=config.agent_timeout_s,
-            reward_key=config.reward_key, max_turns=config.max_turns,
-            max_tokens_per_turn=config.max_tokens_per_turn))
-        if scheduler_state:
-            self.scheduler.load_state_dict(scheduler_state)
+    async def _start_rollouts(self) -> None:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
-        self.ready = asyncio.Queue(maxsize=max(1, config.groups_per_step))
-        self.task = asyncio.create_task(self.scheduler.run(self.ready))
+        self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
+        self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
 
-    def next_group(self) -> RolloutGroup:
-        """Block until a group is finished; raise the scheduler's error if it stopped instead."""
-        return self._call(self._next())
-
-    async def _next(self) -> RolloutGroup:
-        assert self.ready is not None and self.task is not None
+    async def _next_group(self) -> RolloutGroup:
+        """The next finished group; the scheduler's error if it stopped instead."""
+        assert self.ready is not None and self.rolling is not None
         getter = asyncio.ensure_future(self.ready.get())
-        await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({getter, self.rolling}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
         getter.cancel()
-        self.task.result()
-        raise RuntimeError("the rollout scheduler ran out of work")
+        self.rolling.result()
+        raise RunStopped("the rollout scheduler ran out of work")
 
-    def state_dict(self) -> dict[str, int]:
-        return self.scheduler.state_dict() if self.scheduler else {}
+    async def _stop_rollouts(self) -> None:
+        if self.rolling is not None:
+            self.rolling.cancel()
+            await asyncio.gather(self.rolling, return_exceptions=True)
 
-    def stop(self) -> None:
-        """Cancel every rollout (their sessions and sandboxes close), stop the proxy and the loop."""
-        if not self.thread.is_alive():
-            return
+    def save(self) -> Path:
+        """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
+        self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
+        with interrupts_deferred():
+            path = self.learner.save()
+            self.tokenizer.save_pretrained(path / "model")
+        return path
 
-        async def shutdown() -> None:
-            if self.task is not None:
-                self.task.cancel()
-                await asyncio.gather(self.task, return_exceptions=True)
-            if self.client is not None:
-                await self.client.close()
-            if self.proxy is not None:
-                await self.proxy.stop()
-
-        self._call(shutdown(), timeout=120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-
-
-def default_output_dir(config: TrainConfig) -> Path:
-    return Path("runs") / f"{config.harness}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-
-
-@contextlib.contextmanager
-def _closing(close: Any) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        close()
+    def close(self) -> None:
+        """Cancel every rollout (their sessions and sandboxes close), stop the proxy, the engine and the loop."""
+        self.loop.run(self._stop_rollouts(), timeout=120)
+        with contextlib.suppress(Exception):
+            self.learner.close()
+        self.loop.run(self.client.close(), timeout=30)
+        self.loop.run(self.proxy.stop(), timeout=60)
+        self.files.close()
+        self.engine.close()
+        self.loop.close()
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
-    """Run training to `max_steps`; return the summary written to `output_dir/summary.json`."""
-    from tqdm import tqdm
+def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
+    """Stop a run whose every rollout in a step failed for a setup reason: more steps would fail the same way."""
+    outcomes = [o for group in batch for o in group.outcomes]
+    if outcomes and all(o.config_error for o in outcomes):
+        raise RunStopped(f"every rollout of step {step} failed for a setup reason: {outcomes[0].error}")
+
+
+def build_run(config: RunConfig, *, harness: Harness | None = None,
+              sandbox_factory: Callable[[], Sandbox] | None = None, reward_fn: RewardFn = default_reward) -> Run:
+    """Start everything a checked configuration describes; resume from its latest checkpoint when asked."""
+    import msgspec
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
+    from adapters.tasks import load_tasks
     from harness_rl.checkpoint import latest_checkpoint
-    from harness_rl.learner import Learner, LearnerConfig
-    from harness_rl.metrics import MetricsLogger, console_line
-    from harness_rl.report import write_report
+    from harness_rl.learner import Learner
+    from harness_rl.metrics import MetricsLogger
+    from harness_rl.rollouts import RolloutScheduler
+    from harness_rl.run_files import RunFiles
     from harness_rl.weight_sync import ProxyGate
+    from proxy.client import ProxyClient
+    from proxy.server import start_proxy
 
     transformers_logging.disable_progress_bar()
-    output_dir = Path(config.output_dir) if config.output_dir else default_output_dir(config)
-    checkpoint = latest_checkpoint(output_dir) if config.resume else None
-    if config.resume and checkpoint is None:
-        raise TrainConfigError(f"--resume: no checkpoint under {output_dir}/checkpoints")
-    if not config.resume and (output_dir / "metrics.jsonl").exists():
-        raise TrainConfigError(f"{output_dir} already holds a run: pass --resume to continue it, "
-                               "or choose another --output-dir")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.json").write_text(_json(asdict(config)))
-    started = time.time()
-
-    engine = _start_engine(config)
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
-    rollouts = _Rollouts(config, engine.url, output_dir / "proxy")
-    with _closing(engine.close), _closing(rollouts.stop):
-        learner = Learner(engine.model_dir, LearnerConfig(
-            learning_rate=config.resolved("learning_rate"), lr_scheduler=config.lr_scheduler,  # type: ignore[arg-type]
-            warmup_steps=config.warmup_steps, max_steps=config.max_steps, token_budget=config.token_budget,
-            epsilon=config.epsilon, decoupled=config.decoupled, epsilon_high=config.epsilon_high, beta=config.beta,
-            loss_normalization=config.loss_normalization,  # type: ignore[arg-type]
-            max_staleness=config.max_staleness, temperature=config.temperature,
-            gradient_checkpointing=config.gradient_checkpointing, save_total_limit=config.save_total_limit,
-            seed=config.seed), output_dir=output_dir, metrics=MetricsLogger(output_dir, console=False))
-        with _closing(learner.close):
-            scheduler_state = None
-            if checkpoint is not None:
-                scheduler_state = learner.load(checkpoint).get("scheduler")
-                learner.weight_sync = engine.sync
-                learner.sync_weights()
-            rollouts.start(scheduler_state)
-            learner.weight_sync = ProxyGate(engine.sync, rollouts.proxy.url, rollouts.proxy.admin_token)
-            bar = tqdm(total=config.max_steps, initial=learner.step_count, desc="train", unit="step",
-                       dynamic_ncols=True)
-            with _closing(bar.close):
-                while learner.step_count < config.max_steps:
-                    batch = [rollouts.next_group() for _ in range(config.groups_per_step)]
-                    metrics = learner.step(batch)
-                    learner.extra_state = {"scheduler": rollouts.state_dict()}
-                    bar.update(learner.step_count - bar.n)
-                    bar.write(console_line(learner.step_count, metrics))
-                    if config.save_every and learner.step_count % config.save_every == 0:
-                        _save(learner, tokenizer)
-            learner.extra_state = {"scheduler": rollouts.state_dict()}
-            _save(learner, tokenizer)
-    summary = write_report(output_dir, started=started)
-    return summary
+    output_dir = Path(config.output.output_dir) if config.output.output_dir else default_output_dir(config)
+    tasks = load_tasks(config.rollouts.tasks)
+    loop = BackgroundLoop("harness-rl-rollouts")
+    engine: Engine | None = None
+    proxy: RunningProxy | None = None
+    try:
+        engine = start_engine(config, loop)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.toml").write_text(to_toml(config))
+        proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"))
+        proxy = loop.run(start_proxy(proxy_config), timeout=120)
+        client = ProxyClient(proxy.url, proxy.admin_token)
+        learner = Learner(engine.model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
+                          seed=config.seed, weight_sync=ProxyGate(engine.sync, client, loop), output_dir=output_dir,
+                          metrics=MetricsLogger(output_dir, console=False),
+                          save_total_limit=config.output.save_total_limit)
+        scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory)
+        checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
+        if checkpoint is not None:
+            state = learner.load(checkpoint)
+            scheduler.load_state_dict(state.get("scheduler", {}))
+            learner.sync_weights()
+        return Run(config, output_dir, loop, engine, proxy, client, scheduler, learner,
+                   RunFiles(output_dir, scheduler.harness.name), AutoTokenizer.from_pretrained(engine.model_dir))
+    except BaseException:
+        if proxy is not None:
+            with contextlib.suppress(Exception):
+                loop.run(proxy.stop(), timeout=60)
+        if engine is not None:
+            engine.close()
+        loop.close()
+        raise
 
 
-def _save(learner: Any, tokenizer: Any) -> None:
-    """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
-    with _interrupts_deferred():
-        path = learner.save()
-        tokenizer.save_pretrained(path / "model")
+def train(config: RunConfig) -> dict[str, Any]:
+    """Run training to `max_steps` with a progress bar; the summary (also on Ctrl-C) is written and returned."""
+    from tqdm import tqdm
+
+    from harness_rl.checkpoint import latest_checkpoint
+    from harness_rl.metrics import console_line
+    from harness_rl.report import write_report
+
+    run = build_run(config)
+    bar = tqdm(total=config.learner.max_steps, initial=run.learner.step_count, desc="train", unit="step",
+               dynamic_ncols=True)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        bar.update(step - bar.n)
+        bar.write(console_line(step, metrics))
+
+    try:
+        run.train(on_step)
+    except KeyboardInterrupt:
+        bar.close()
+        run.close()
+        checkpoint = latest_checkpoint(run.output_dir)
+        write_report(run.output_dir, started=run.started)
+        kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        print(f"harness-rl train: interrupted; rollouts and sessions closed; {kept}", file=sys.stderr, flush=True)
+        raise
+    except BaseException:
+        bar.close()
+        run.close()
+        raise
+    bar.close()
+    run.close()
+    return write_report(run.output_dir, started=run.started)
 
 
 @contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
+def interrupts_deferred() -> Iterator[None]:
     """Hold Ctrl-C (and SIGTERM) until the block is done, so a checkpoint is never half written."""
     caught: list[int] = []
     previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
@@ -345,9 +283,3 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.signal(signum, handler)
         if caught:
             raise KeyboardInterrupt
-
-
-def _json(data: Any) -> str:
-    import json
-
-    return json.dumps(data, indent=2, default=str)

@@ -10,12 +10,14 @@ One protocol, `WeightSync.push(model, version)`, three backends and a gate:
   pause(mode=wait) → start_weight_update → update_weights ∥ broadcast → finish_weight_update(version)
   → reset_prefix_cache → resume. `wait` drains running requests, so no completion straddles two
   versions.
-- `ProxyGate(inner, ...)`: holds agent calls at the proxy around any backend's push and tells the
-  proxy the new version.
+- `ProxyGate(inner, client, loop)`: holds agent calls at the proxy around any backend's push and
+  tells the proxy the new version, through the proxy's one control client (`ProxyClient`).
 
-Every HTTP call has a timeout and a status check; the broadcast runs on a daemon thread with its own
-timeout. Any failure raises `WeightSyncError` naming the step, after the engine has been told to
-resume (and, if an update was started, to finish it), so a failed sync never leaves it paused or hung.
+The learner calls `push` synchronously; backends that speak HTTP run their calls on the run's
+`BackgroundLoop`. Every HTTP call has a timeout and a status check; the broadcast runs on a daemon
+thread with its own timeout. Any failure raises `WeightSyncError` naming the step, after the engine
+has been told to resume (and, if an update was started, to finish it), so a failed sync never leaves
+it paused or hung.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
+
+from harness_rl.background import BackgroundLoop
+from proxy.client import ProxyClient, ProxyClientError
 
 
 class WeightSyncError(RuntimeError):
@@ -70,25 +75,20 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-class _Control:
-    """A small aiohttp client for control routes, on a private event loop the sync caller drives."""
+class EngineControl:
+    """An async client of an engine's control routes (pause, weight updates, prefix cache, resume)."""
 
-    def __init__(self, base_url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.headers = headers or {}
-        self.loop = asyncio.new_event_loop()
         self._session: Any = None
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(coro)
 
     async def call(self, method: str, route: str, *, body: Any = None, data: bytes | None = None,
                    params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self.headers)
+            self._session = aiohttp.ClientSession()
         timeout = timeout_s or self.timeout_s
         where = f"{method} {route}"
         try:
@@ -117,24 +117,24 @@ class _Control:
             return error
         return None
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._session is not None:
-            self.run(self._session.close())
+            await self._session.close()
             self._session = None
-        self.loop.close()
 
 
 class HttpEngineSync:
     """Push weights to an embedded engine served in another process."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
-        self.control = _Control(base_url, timeout_s)
+    def __init__(self, base_url: str, loop: BackgroundLoop, timeout_s: float = 300.0) -> None:
+        self.loop = loop
+        self.control = EngineControl(base_url, timeout_s)
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         from safetensors.torch import save
 
         payload = save({name: t.contiguous().cpu() for name, t in parameters(model).items()})
-        self.control.run(self._push(payload, version))
+        self.loop.run(self._push(payload, version))
 
     async def _push(self, payload: bytes, version: int) -> None:
         control = self.control
@@ -148,7 +148,7 @@ class HttpEngineSync:
             raise resumed
 
     def close(self) -> None:
-        self.control.close()
+        self.loop.run(self.control.close())
 
 
 class ProxyGate:
@@ -159,23 +159,27 @@ class ProxyGate:
     whose replies do not say which weights produced them.
     """
 
-    def __init__(self, inner: WeightSync, proxy_url: str, admin_token: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, inner: WeightSync, client: ProxyClient, loop: BackgroundLoop) -> None:
         self.inner = inner
-        self.control = _Control(proxy_url, timeout_s, {"Authorization": f"Bearer {admin_token}"})
+        self.client = client
+        self.loop = loop
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        self.control.run(self.control.call("POST", "/admin/pause"))
+        self.loop.run(self._call("pause", self.client.pause()))
         try:
             self.inner.push(model, version)
-            self.control.run(self.control.call("POST", "/admin/policy_version", body={"version": version}))
+            self.loop.run(self._call("policy_version", self.client.set_policy_version(version)))
         finally:
-            resumed = self.control.run(self.control.best_effort("POST", "/admin/resume"))
-        if resumed is not None:
-            raise resumed
+            self.loop.run(self._call("resume", self.client.resume()))
+
+    async def _call(self, step: str, call: Any) -> None:
+        try:
+            await call
+        except (ProxyClientError, OSError, TimeoutError) as error:
+            raise WeightSyncError(f"proxy {step} failed: {error}") from None
 
     def close(self) -> None:
         self.inner.close()
-        self.control.close()
 
 
 class NcclTransport:
@@ -211,10 +215,11 @@ class Transport(Protocol):
 class VllmNcclSync:
     """vLLM's native weight transfer: HTTP control plane, NCCL data plane (trainer = rank 0)."""
 
-    def __init__(self, base_url: str, *, master_address: str = "127.0.0.1", master_port: int | None = None,
-                 transport: Transport | None = None, dtype: torch.dtype | None = None,
+    def __init__(self, base_url: str, loop: BackgroundLoop, *, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, transport: Transport | None = None, dtype: torch.dtype | None = None,
                  control_timeout_s: float = 300.0, transfer_timeout_s: float = 1800.0) -> None:
-        self.control = _Control(base_url, control_timeout_s)
+        self.loop = loop
+        self.control = EngineControl(base_url, control_timeout_s)
         self.dtype = dtype  # the engine's dtype, when it differs from the trainer's (bf16 vLLM, fp32 weights)
         self.master_address = master_address
         self.master_port = master_port or free_port()
@@ -224,7 +229,7 @@ class VllmNcclSync:
 
     def init(self) -> None:
         """Join the transfer group: the server's init blocks in the rendezvous, so both run at once."""
-        self.control.run(self._init())
+        self.loop.run(self._init())
         self._ready = True
 
     async def _init(self) -> None:
@@ -244,7 +249,7 @@ class VllmNcclSync:
         if not self._ready:
             self.init()
         params = [(name, t if self.dtype is None else t.to(self.dtype)) for name, t in parameters(model).items()]
-        self.control.run(self._push(params, version))
+        self.loop.run(self._push(params, version))
 
     async def _push(self, params: list[tuple[str, torch.Tensor]], version: int) -> None:
         control = self.control
@@ -291,7 +296,7 @@ class VllmNcclSync:
                                   "NCCL versions equal?)")
 
     def close(self) -> None:
-        self.control.close()
+        self.loop.run(self.control.close())
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:

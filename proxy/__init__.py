@@ -1,15 +1,21 @@
 """The intercept proxy: records every model call an agent makes as a validated turn.
 
 Modules, one job each:
-  server       HTTP routes (control API, agent routes for both dialects), ProxyConfig, start/run helpers
-  client       ProxyClient, the async control-API client the scheduler and learner use
-  openai_chat  OpenAI Chat Completions in and out (JSON and synthesised SSE)
-  anthropic    Anthropic Messages translated to chat and back (JSON and its SSE event sequence)
-  upstream     the engine client: capture fields, retries, timeouts, reply checks
-  engine_wire  the engine's reply as msgspec Structs
-  sampling     the sampling policy (pinned temperature, truncating knobs neutralised or refused)
-  session      capture sessions, their registry and trace building
-  capture      the capture graph: parents by longest exact token prefix, roles
-  store        the durable, delta-encoded, append-only session logs
-  errors       ProxyError and each dialect's error shape
+  server          the proxy process: its state, the aiohttp app, errors, `start_proxy`
+  config          ProxyConfig, every setting of one proxy (the `[proxy]` section of a run)
+  control_routes  the control API (sessions, traces, weight-sync pause, policy version, health)
+  control_api     the control API's request and reply Structs, shared with `client`
+  client          ProxyClient, the one typed client of the control API
+  agent_routes    the routes agents call; keys, keep-alives, answers in each dialect
+  chat            the dialect-neutral call (`ChatCall`) and answer (`Answer`)
+  openai_chat     OpenAI Chat Completions in (typed) and out (JSON and SSE)
+  anthropic       Anthropic Messages translated to a ChatCall and back (JSON and its SSE events)
+  pipeline        one call from admission to a durably recorded turn (and the weight-sync gate)
+  sampling        the sampling policy (pinned temperature, truncating knobs neutralised or refused)
+  upstream        the engine client: capture fields, retries, timeouts, reply checks
+  engine_wire     the engine's reply as msgspec Structs
+  session         capture sessions, their registry and trace building
+  capture         the capture graph: parents by longest exact token prefix, roles
+  store           the durable append-only session logs (turn lines are harness_rl.trace.StoredTurn)
+  errors          ProxyError and each dialect's error shape
 """

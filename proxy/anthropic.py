@@ -1,10 +1,13 @@
-"""Anthropic Messages: translated to the engine's chat API and back, streaming included.
+"""Anthropic Messages: the body decoded into a `ChatCall`, the `Answer` rendered as a Message or its SSE events.
 
 The engine has no token capture on its own Messages route (reference/vllm.md §7), so the proxy
 terminates the dialect itself: system blocks become one system message (Claude Code's per-request
 billing-header block is dropped so prompts stay exact prefixes of each other), `tool_use` becomes
-`tool_calls`, `tool_result` becomes `role: tool`, `thinking` becomes `reasoning`. The answer goes
-back as a Messages object or as its exact SSE event sequence.
+`tool_calls`, `tool_result` becomes `role: tool`, `thinking` becomes `reasoning`. Decoding is typed:
+a missing `max_tokens`, an unknown content block or a malformed tool is a 400 naming the field.
+
+Deliberate leniency: a `role: "system"` message inside `messages` (Claude Code sends one) is accepted
+and joins the system prompt, and server tools (web search, ...) are dropped: they mean nothing to the engine.
 """
 
 from __future__ import annotations
@@ -12,156 +15,218 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from harness_rl.trace import ToolCall
+from proxy.chat import (
+    Answer,
+    ChatCall,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDef,
+    Knobs,
+    MessageToolCall,
+    ToolChoice,
+    decode_typed,
+)
 from proxy.errors import ProxyError
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+TOOL_USE_PREFIX = "toolu_"
 _ENCODER = msgspec.json.Encoder()
 
 
-def check_messages_request(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ProxyError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if messages is None:
-        raise ProxyError(400, "messages: Field required")
-    if not isinstance(messages, list):
-        raise ProxyError(400, "messages: must be an array of message objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ProxyError(400, f"messages.{i}: must be an object with a string 'role'")
-        if not isinstance(message.get("content"), str | list):
-            raise ProxyError(400, f"messages.{i}.content: must be a string or an array of content blocks")
-    system = body.get("system")
-    if system is not None and not isinstance(system, str | list):
-        raise ProxyError(400, "system: must be a string or an array of text blocks")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise ProxyError(400, "tools: must be an array of tool objects")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise ProxyError(400, "max_tokens: must be a positive integer")
-    for name in ("temperature", "top_p"):
-        if body.get(name) is not None and type(body[name]) not in (int, float):
-            raise ProxyError(400, f"{name}: must be a number")
-    if body.get("top_k") is not None and type(body["top_k"]) is not int:
-        raise ProxyError(400, "top_k: must be an integer")
-    if not isinstance(body.get("stream", False), bool):
-        raise ProxyError(400, "stream: must be a boolean")
-    return body
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
 
 
-def _text_of(content: Any) -> str:
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+    source: Any = None
+
+
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+    source: Any = None
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: Any = {}
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
+    data: str = ""
+
+
+Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(msgspec.Struct):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+
+class Tool(msgspec.Struct):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ToolChoiceBlock(msgspec.Struct):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesBody(msgspec.Struct, kw_only=True):
+    """The fields of a Messages request the proxy acts on."""
+
+    model: str = ""
+    messages: list[Message]
+    max_tokens: int | None = None
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceBlock | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+
+
+_KNOWN = frozenset(MessagesBody.__struct_fields__)
+_BODY = msgspec.json.Decoder(MessagesBody)
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def decode_body(data: bytes, *, accept_images: bool = False,
+                count_only: bool = False) -> tuple[MessagesBody, list[str]]:
+    """The typed body and the names of its fields the proxy does not act on (`metadata`, `thinking`, ...)."""
+    body = decode_typed(_BODY, data)
+    ignored = sorted(set(_KEYS.decode(data)) - _KNOWN)
+    if body.max_tokens is None and not count_only:
+        raise ProxyError(400, "max_tokens: Field required")
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise ProxyError(400, "max_tokens: must be at least 1")
+    if not accept_images:
+        for i, message in enumerate(body.messages):
+            if _has_media(message.content):
+                raise ProxyError(400, f"messages.{i}.content: the served model takes no images or documents, "
+                                      "only text")
+    return body, ignored
+
+
+def _has_media(content: str | list[Block]) -> bool:
     if isinstance(content, str):
-        return content
-    parts = []
-    for block in content or ():
-        if isinstance(block, dict) and block.get("type") == "text":
-            parts.append(str(block.get("text", "")))
-        elif isinstance(block, dict) and block.get("type") == "image":
-            parts.append("[image]")
-    return "\n".join(parts)
+        return False
+    for block in content:
+        if isinstance(block, ImageBlock | DocumentBlock):
+            return True
+        if isinstance(block, ToolResultBlock) and not isinstance(block.content, str) and any(
+                isinstance(b, ImageBlock | DocumentBlock) for b in block.content):
+            return True
+    return False
 
 
-def _system_text(system: Any) -> str:
+def to_call(body: MessagesBody, ignored: list[str]) -> ChatCall:
+    return ChatCall(dialect="anthropic_messages", model=body.model, messages=chat_messages(body),
+                    tools=chat_tools(body), tool_choice=_tool_choice(body.tool_choice) if body.tools else None,
+                    knobs=Knobs(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                max_tokens=body.max_tokens, stop=body.stop_sequences or None),
+                    stream=body.stream, ignored=ignored)
+
+
+def _system_text(system: str | list[TextBlock] | list[Block] | None) -> str:
+    if system is None:
+        return ""
     if isinstance(system, str):
         return system
-    return "\n".join(str(b.get("text", "")) for b in system or ()
-                     if isinstance(b, dict) and b.get("type", "text") == "text"
-                     and not str(b.get("text", "")).startswith(BILLING_HEADER_PREFIX))
+    return "\n".join(b.text for b in system
+                     if isinstance(b, TextBlock) and not b.text.startswith(BILLING_HEADER_PREFIX))
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(body: MessagesBody) -> list[ChatMessage]:
     """The Messages conversation as chat messages."""
-    out: list[dict[str, Any]] = []
-    system = _system_text(body.get("system"))
+    out: list[ChatMessage] = []
+    system = _system_text(body.system)
     if system:
-        out.append({"role": "system", "content": system})
-    for message in body["messages"]:
-        role, content = message["role"], message["content"]
-        if role == "system":
-            text = _system_text(content)
+        out.append(ChatMessage(role="system", content=system))
+    for message in body.messages:
+        if message.role == "system":
+            text = _system_text(message.content)
             if text:
-                out.append({"role": "system", "content": text})
-        elif role == "assistant":
-            out.append(_assistant_message(content))
+                out.append(ChatMessage(role="system", content=text))
+        elif message.role == "assistant":
+            out.append(_assistant_message(message.content))
         else:
-            out.extend(_user_messages(content))
+            out.extend(_user_messages(message.content))
     return out
 
 
-def _assistant_message(content: Any) -> dict[str, Any]:
+def _assistant_message(content: str | list[Block]) -> ChatMessage:
     if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    texts, reasoning, calls = [], [], []
-    for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(str(block.get("text", "")))
-        elif kind == "thinking":
-            reasoning.append(str(block.get("thinking", "")))
-        elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"),
-                                       "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
-    if reasoning:
-        message["reasoning"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return message
+        return ChatMessage(role="assistant", content=content)
+    texts = [b.text for b in content if isinstance(b, TextBlock)]
+    reasoning = [b.thinking for b in content if isinstance(b, ThinkingBlock)]
+    calls = [MessageToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(b.input,
+                                                                                              ensure_ascii=False)))
+             for b in content if isinstance(b, ToolUseBlock)]
+    return ChatMessage(role="assistant", content="".join(texts) if texts or not calls else None,
+                       reasoning="".join(reasoning) if reasoning else None, tool_calls=calls or None)
 
 
-def _user_messages(content: Any) -> list[dict[str, Any]]:
+def _user_messages(content: str | list[Block]) -> list[ChatMessage]:
     """Tool results first (each right after the assistant turn that asked), then the user's own text."""
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    out: list[dict[str, Any]] = []
+        return [ChatMessage(role="user", content=content)]
+    out: list[ChatMessage] = []
     texts: list[str] = []
     for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_result":
-            text = _text_of(block.get("content", ""))
-            if block.get("is_error"):
+        if isinstance(block, ToolResultBlock):
+            text = block.content if isinstance(block.content, str) else \
+                "\n".join(b.text for b in block.content if isinstance(b, TextBlock))
+            if block.is_error:
                 text = f"Error: {text}" if text else "Error"
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
-        elif kind in ("text", "image"):
-            texts.append(_text_of([block]))
+            out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text))
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
     if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append(ChatMessage(role="user", content="\n".join(texts)))
     return out
 
 
-def chat_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def chat_tools(body: MessagesBody) -> list[ChatTool] | None:
     """Client tools as chat function tools (server tools such as web search have no engine meaning)."""
-    tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                               "parameters": t.get("input_schema") or {"type": "object"}}}
-             for t in body.get("tools") or () if "name" in t and t.get("type", "custom") == "custom"]
+    tools = [ChatTool(function=FunctionDef(name=t.name, description=t.description or "",
+                                           parameters=t.input_schema or {"type": "object"}))
+             for t in body.tools or () if t.type in (None, "custom") and t.input_schema is not None]
     return tools or None
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling and control fields for the engine's chat request (messages and tools travel apart)."""
-    out: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k"):
-        if body.get(name) is not None:
-            out[name] = body[name]
-    if body.get("stop_sequences"):
-        out["stop"] = list(body["stop_sequences"])
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        kind = choice.get("type")
-        if kind == "any":
-            out["tool_choice"] = "required"
-        elif kind == "tool":
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-        elif kind in ("auto", "none"):
-            out["tool_choice"] = kind
-    return out
+def _tool_choice(choice: ToolChoiceBlock | None) -> ToolChoice | None:
+    if choice is None:
+        return None
+    if choice.type == "any":
+        return "required"
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.type
 
 
 def signature_for(reasoning: str) -> str:
@@ -169,34 +234,12 @@ def signature_for(reasoning: str) -> str:
     return "hrl-" + hashlib.sha256(reasoning.encode()).hexdigest()[:32]
 
 
-def message_dict(completion: dict[str, Any], model: str) -> dict[str, Any]:
-    """The recorded OpenAI-shaped completion as a Messages API answer."""
-    choice = completion["choices"][0]
-    message = choice["message"]
-    blocks: list[dict[str, Any]] = []
-    if message.get("reasoning"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning"],
-                       "signature": signature_for(message["reasoning"])})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or ():
-        blocks.append({"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"],
-                       "input": _tool_input(call["function"]["arguments"])})
-    stop_reason = STOP_REASONS.get(choice["finish_reason"] or "stop", "end_turn")
-    if message.get("tool_calls"):
-        stop_reason = "tool_use"
-    usage = completion["usage"]
-    return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": model,
-            "content": blocks, "stop_reason": stop_reason, "stop_sequence": None,
-            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+def tool_use_id(call: ToolCall) -> str:
+    """The engine's tool-call id in Anthropic's `toolu_` form (`same_tool_call_id` undoes it)."""
+    return call.id if call.id.startswith(TOOL_USE_PREFIX) else TOOL_USE_PREFIX + call.id
 
 
-def _tool_use_id(call_id: str | None) -> str:
-    return call_id if call_id and call_id.startswith("toolu_") else "toolu_" + (call_id or secrets.token_hex(12))
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
+def _tool_input(arguments: str) -> Any:
     try:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
@@ -204,8 +247,31 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def sse_events(message: dict[str, Any]) -> bytes:
+def message_dict(answer: Answer) -> dict[str, Any]:
+    """The answer as a Messages API message."""
+    reply = answer.reply
+    blocks: list[dict[str, Any]] = []
+    if reply.reasoning:
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": signature_for(reply.reasoning)})
+    if reply.content:
+        blocks.append({"type": "text", "text": reply.content})
+    for call in reply.tool_calls:
+        blocks.append({"type": "tool_use", "id": tool_use_id(call), "name": call.name,
+                       "input": _tool_input(call.arguments)})
+    stop_reason = "tool_use" if reply.tool_calls else STOP_REASONS.get(answer.finish_reason, "end_turn")
+    return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": answer.model,
+            "content": blocks, "stop_reason": stop_reason, "stop_sequence": None,
+            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+
+
+def message(answer: Answer) -> bytes:
+    return _ENCODER.encode(message_dict(answer))
+
+
+def sse_events(answer: Answer) -> bytes:
     """The Messages streaming event sequence for a finished message."""
+    message = message_dict(answer)
     out: list[bytes] = []
 
     def event(name: str, data: dict[str, Any]) -> None:
@@ -219,28 +285,21 @@ def sse_events(message: dict[str, Any]) -> bytes:
     for index, block in enumerate(message["content"]):
         kind = block["type"]
         if kind == "thinking":
-            event("content_block_start", {"type": "content_block_start", "index": index,
-                                          "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
-            event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "thinking_delta", "thinking": block["thinking"]}})
-            event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "signature_delta", "signature": block["signature"]}})
+            start: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
+            deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
+                      {"type": "signature_delta", "signature": block["signature"]}]
         elif kind == "text":
-            event("content_block_start", {"type": "content_block_start", "index": index,
-                                          "content_block": {"type": "text", "text": ""}})
-            event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "text_delta", "text": block["text"]}})
+            start = {"type": "text", "text": ""}
+            deltas = [{"type": "text_delta", "text": block["text"]}]
         else:
-            event("content_block_start", {"type": "content_block_start", "index": index,
-                                          "content_block": {"type": "tool_use", "id": block["id"],
-                                                            "name": block["name"], "input": {}}})
-            event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "input_json_delta",
-                                                    "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+            start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
+        event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
+        for delta in deltas:
+            event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
         event("content_block_stop", {"type": "content_block_stop", "index": index})
     event("message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
                             "usage": {"output_tokens": usage["output_tokens"]}})
     event("message_stop", {"type": "message_stop"})
     return b"".join(out)
-

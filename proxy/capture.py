@@ -145,6 +145,7 @@ class CaptureGraph:
     def sequence(self, node_id: str) -> bytes:
         """The turn's prompt+completion token text, rebuilt from the tree."""
         node = self.nodes[node_id]
+        assert node.edge is not None
         parts = [bytes(node.edge.seg[:node.end])]
         edge = node.edge.parent
         while edge is not None:
@@ -213,6 +214,7 @@ class CaptureGraph:
         edge, end, back = node.edge, node.end, node.completion_len
         while back >= end:
             back -= end
+            assert edge is not None and edge.parent is not None
             edge = edge.parent
             end = len(edge.seg)
         return (id(edge), end - back)
@@ -232,6 +234,7 @@ class CaptureGraph:
     def _split(self, edge: _Edge, k: int) -> _Edge:
         """Cut `edge` after byte k; the upper part takes the marks that end within it."""
         parent = edge.parent
+        assert parent is not None, "the root is never split"
         upper = _Edge(bytes(edge.seg[:k]), parent)
         parent.children[bytes(edge.seg[:1])] = upper
         i = bisect_right(edge.marks, k, key=lambda n: n.end)

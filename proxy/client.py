@@ -1,22 +1,25 @@
-"""A small async client of the proxy's control API, for the rollout scheduler and the learner."""
+"""`ProxyClient`: the one typed client of the proxy's control API, used by rollouts and weight sync."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 
 from harness_rl.trace import TrainingTrace
+from proxy.control_api import (
+    ErrorReply,
+    Health,
+    Paused,
+    PolicyVersion,
+    SessionCreate,
+    SessionInfo,
+    SessionList,
+    SessionSummary,
+)
 
-
-class SessionInfo(msgspec.Struct, frozen=True):
-    """What an agent needs to reach its capture session."""
-
-    id: str
-    key: str
-    openai_base_url: str
-    anthropic_base_url: str
+T = TypeVar("T")
 
 
 class ProxyClientError(RuntimeError):
@@ -28,7 +31,7 @@ class ProxyClientError(RuntimeError):
 class ProxyClient:
     """Control-API calls over one keep-alive connection pool; use as `async with ProxyClient(...)`."""
 
-    def __init__(self, url: str, admin_token: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, admin_token: str, timeout_s: float = 300.0) -> None:
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {admin_token}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -47,38 +50,37 @@ class ProxyClient:
 
     async def create_session(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None,
                              max_tokens_per_turn: int | None = None) -> SessionInfo:
-        body = {"metadata": metadata or {}, "max_turns": max_turns, "max_tokens_per_turn": max_tokens_per_turn}
-        return msgspec.convert(await self._call("POST", "/sessions", body), SessionInfo)
+        body = SessionCreate(metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn)
+        return await self._call("POST", "/sessions", SessionInfo, body)
 
     async def get_trace(self, session_id: str) -> TrainingTrace:
-        return TrainingTrace.from_json(await self._call("GET", f"/sessions/{session_id}/trace", raw=True))
+        """The session's validated trace (fetched in the compact delta form)."""
+        data = await self._call("GET", f"/sessions/{session_id}/trace?format=delta", bytes)
+        return TrainingTrace.from_json(data)
 
-    async def get_session(self, session_id: str) -> dict[str, Any]:
-        return await self._call("GET", f"/sessions/{session_id}")
-
-    async def close_session(self, session_id: str) -> dict[str, Any]:
-        return await self._call("POST", f"/sessions/{session_id}/close")
+    async def close_session(self, session_id: str) -> SessionSummary:
+        return await self._call("POST", f"/sessions/{session_id}/close", SessionSummary)
 
     async def delete_session(self, session_id: str) -> None:
-        await self._call("DELETE", f"/sessions/{session_id}")
+        await self._call("DELETE", f"/sessions/{session_id}", bytes)
 
-    async def list_sessions(self) -> list[dict[str, Any]]:
-        return (await self._call("GET", "/sessions"))["sessions"]
+    async def list_sessions(self) -> list[SessionSummary]:
+        return (await self._call("GET", "/sessions", SessionList)).sessions
 
     async def set_policy_version(self, version: int) -> None:
-        await self._call("POST", "/admin/policy_version", {"version": version})
+        await self._call("POST", "/admin/policy_version", PolicyVersion, PolicyVersion(version))
 
-    async def pause(self) -> None:
+    async def pause(self) -> Paused:
         """Hold new agent calls; returns once calls already at the engine are recorded."""
-        await self._call("POST", "/admin/pause")
+        return await self._call("POST", "/admin/pause", Paused)
 
     async def resume(self) -> None:
-        await self._call("POST", "/admin/resume")
+        await self._call("POST", "/admin/resume", Paused)
 
-    async def health(self) -> dict[str, Any]:
-        return await self._call("GET", "/health")
+    async def health(self) -> Health:
+        return await self._call("GET", "/health", Health)
 
-    async def _call(self, method: str, path: str, body: Any = None, raw: bool = False) -> Any:
+    async def _call(self, method: str, path: str, reply: type[T], body: msgspec.Struct | None = None) -> T:
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=self._timeout)
         data = msgspec.json.encode(body) if body is not None else None
@@ -86,12 +88,16 @@ class ProxyClient:
             payload = await resp.read()
             if resp.status >= 400:
                 raise ProxyClientError(resp.status, _message(payload))
-            return payload if raw else msgspec.json.decode(payload)
+            if reply is bytes:
+                return payload  # type: ignore[return-value]
+            try:
+                return msgspec.json.decode(payload, type=reply)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ProxyClientError(resp.status, f"unreadable {reply.__name__} reply: {exc}") from None
 
 
 def _message(payload: bytes) -> str:
     try:
-        error = msgspec.json.decode(payload).get("error", {})
-        return str(error.get("message", payload[:300]))
-    except (msgspec.DecodeError, AttributeError):
+        return msgspec.json.decode(payload, type=ErrorReply).error.message
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return payload[:300].decode("utf-8", "replace")

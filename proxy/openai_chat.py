@@ -1,145 +1,179 @@
-"""OpenAI Chat Completions: what agents send, what the engine gets, and the answer in OpenAI's shape.
+"""OpenAI Chat Completions: the agent's body decoded into a `ChatCall`, the `Answer` rendered back.
 
-The agent's body passes through nearly untouched (the engine speaks the same dialect); only the
-capture fields, the sampling policy and a few renames are applied. The answer never carries the
-engine's capture fields (`prompt_token_ids`, `token_ids`, logprobs) unless the agent asked for
-logprobs. Streaming is synthesised from the finished, already recorded reply.
+The body is decoded once into typed Structs: a wrong type, an unknown role, content that is neither a
+string nor content parts, a malformed tool or a non-boolean `logprobs` is a 400 naming the field, as
+OpenAI answers. Fields the proxy does not act on (`user`, `metadata`, `logit_bias`, ...) are not sent
+to the engine; their names are kept on the call and recorded with the turn. The answer never carries
+the engine's capture fields (token ids) unless the agent asked for logprobs.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
 
-from proxy.engine_wire import AssistantMessage, ChatReply
+from proxy.chat import (
+    Answer,
+    ChatCall,
+    ChatMessage,
+    ChatTool,
+    ImagePart,
+    Knobs,
+    TextPart,
+    ToolChoice,
+    decode_typed,
+)
 from proxy.errors import ProxyError
 
 _ENCODER = msgspec.json.Encoder()
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "seed", "n")
 
 
-def check_chat_request(body: Any) -> dict[str, Any]:
-    """Refuse, with a 400 naming the field, what no engine could answer."""
-    if not isinstance(body, dict):
-        raise ProxyError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if messages is None:
-        raise ProxyError(400, "'messages' is required")
-    if not isinstance(messages, list) or not messages:
-        raise ProxyError(400, "'messages' must be a non-empty array of message objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ProxyError(400, f"messages[{i}] must be an object with a string 'role'")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise ProxyError(400, "'tools' must be an array of tool objects")
-    for name in _NUMBER_FIELDS:
-        value = body.get(name)
-        if value is not None and (type(value) not in (int, float)):
-            raise ProxyError(400, f"'{name}' must be a number, got {type(value).__name__}")
-    for name in _INT_FIELDS:
-        value = body.get(name)
-        if value is not None and type(value) is not int:
-            raise ProxyError(400, f"'{name}' must be an integer, got {type(value).__name__}")
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Message(ChatMessage, omit_defaults=True):
+    """A chat message as agents send it: `reasoning_content` is accepted as the older name of `reasoning`."""
+
+    reasoning_content: str | None = None
+
+
+class ChatCompletionsBody(Knobs, kw_only=True):
+    """The fields of a Chat Completions request the proxy acts on (the sampling knobs come from `Knobs`)."""
+
+    model: str = ""
+    messages: list[_Message]
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None  # type: ignore[assignment]  # OpenAI also takes one string
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+
+
+_KNOWN = frozenset(ChatCompletionsBody.__struct_fields__)
+_BODY = msgspec.json.Decoder(ChatCompletionsBody)
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def decode_body(data: bytes, *, accept_images: bool = False) -> tuple[ChatCompletionsBody, list[str]]:
+    """The typed body and the names of the fields it carries that the proxy does not act on."""
+    body = decode_typed(_BODY, data)
+    ignored = sorted(set(_KEYS.decode(data)) - _KNOWN)
+    check_body(body, accept_images=accept_images)
+    return body, ignored
+
+
+def check_body(body: ChatCompletionsBody, *, accept_images: bool) -> None:
+    """What typing cannot say: each role's required fields, limits, and knobs that need each other."""
+    if not body.messages:
+        raise ProxyError(400, "messages: must be a non-empty array of message objects")
+    for i, message in enumerate(body.messages):
+        if message.role in ("system", "developer", "user", "tool") and message.content is None:
+            raise ProxyError(400, f"messages[{i}].content: required for role '{message.role}'")
+        if message.role == "tool" and not message.tool_call_id:
+            raise ProxyError(400, f"messages[{i}].tool_call_id: required for role 'tool'")
+        if message.role == "assistant" and message.content is None and not message.tool_calls:
+            raise ProxyError(400, f"messages[{i}]: an assistant message needs content or tool_calls")
+        if isinstance(message.content, list) and not accept_images and any(
+                not isinstance(part, TextPart) for part in message.content):
+            kind = "images" if any(isinstance(p, ImagePart) for p in message.content) else "audio or files"
+            raise ProxyError(400, f"messages[{i}].content: the served model takes no {kind}, only text")
+    if body.tool_choice is not None and not body.tools:
+        raise ProxyError(400, "tool_choice: only allowed when tools are specified")
+    if body.n is not None and body.n != 1:
+        raise ProxyError(400, f"n: {body.n} is not supported; each turn must be one sample (n=1)")
     for name in ("max_tokens", "max_completion_tokens"):
-        if body.get(name) is not None and body[name] < 1:
-            raise ProxyError(400, f"'{name}' must be at least 1")
-    if body.get("n", 1) != 1:
-        raise ProxyError(400, f"n={body['n']} is not supported: each turn must be one sample (n=1)")
-    if not isinstance(body.get("stream", False), bool):
-        raise ProxyError(400, "'stream' must be a boolean")
-    return body
+        value = getattr(body, name)
+        if value is not None and value < 1:
+            raise ProxyError(400, f"{name}: must be at least 1")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise ProxyError(400, "top_logprobs: must be between 0 and 20")
 
 
-def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the engine wants them: `reasoning_content` renamed to `reasoning`."""
-    out = []
-    for message in messages:
-        if "reasoning_content" in message:
-            message = dict(message)
-            reasoning = message.pop("reasoning_content")
-            message.setdefault("reasoning", reasoning)
-        out.append(message)
-    return out
+def to_call(body: ChatCompletionsBody, ignored: list[str]) -> ChatCall:
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    messages = [ChatMessage(role=m.role, content=m.content, name=m.name, tool_calls=m.tool_calls,
+                            tool_call_id=m.tool_call_id, reasoning=m.reasoning if m.reasoning is not None
+                            else m.reasoning_content) for m in body.messages]
+    knobs = Knobs(**{name: getattr(body, name) for name in Knobs.__struct_fields__})
+    return ChatCall(
+        dialect="openai_chat", model=body.model, messages=messages, tools=body.tools or None,
+        tool_choice=body.tool_choice if body.tools else None,
+        knobs=msgspec.structs.replace(knobs, max_tokens=max_tokens, stop=stop),
+        chat_template_kwargs=body.chat_template_kwargs, stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=bool(body.logprobs), ignored=ignored)
 
 
-def engine_tools(body: dict[str, Any]) -> list[Any] | None:
-    """The tools to forward; an empty list goes with its tool_choice and parallel_tool_calls."""
-    tools = body.pop("tools", None)
-    if not tools:
-        body.pop("tool_choice", None)
-        body.pop("parallel_tool_calls", None)
-        return None
-    return tools
-
-
-def message_dict(message: AssistantMessage) -> dict[str, Any]:
+def message_dict(answer: Answer) -> dict[str, Any]:
     """The assistant message in OpenAI's shape, reasoning under both names agents read."""
-    out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    reasoning = message.reasoning_text
-    if reasoning:
-        out["reasoning"] = reasoning
-        out["reasoning_content"] = reasoning
-    if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                             for c in message.tool_calls]
+    reply = answer.reply
+    out: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        out["reasoning"] = reply.reasoning
+        out["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in reply.tool_calls]
     return out
 
 
-def completion_dict(reply: ChatReply, model: str, logprobs: bool, prompt_tokens: int) -> dict[str, Any]:
-    """The non-streaming answer (also what a turn records as its OpenAI-shaped response)."""
-    choice = reply.choices[0]
-    return {
-        "id": reply.id or f"chatcmpl-{int(time.time() * 1e6):x}",
-        "object": "chat.completion",
-        "created": reply.created or int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message_dict(choice.message),
-                     "logprobs": _logprobs(reply) if logprobs else None,
-                     "finish_reason": choice.finish_reason}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(choice.token_ids or ()),
-                  "total_tokens": prompt_tokens + len(choice.token_ids or ())},
-    }
+def _logprobs(answer: Answer) -> dict[str, Any] | None:
+    if answer.logprobs is None:
+        return None
+    return {"content": [{"token": f"token_id:{t.token_id}", "logprob": t.logprob, "bytes": None, "top_logprobs": []}
+                        for t in answer.logprobs]}
 
 
-def _logprobs(reply: ChatReply) -> dict[str, Any]:
-    content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else []
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": None, "top_logprobs": []}
-                        for e in content or ()]}
+def _usage(answer: Answer) -> dict[str, int]:
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens}
 
 
-def sse_events(completion: dict[str, Any], include_usage: bool) -> bytes:
+def completion(answer: Answer) -> bytes:
+    """The non-streaming answer."""
+    return _ENCODER.encode({
+        "id": answer.id, "object": "chat.completion", "created": answer.created, "model": answer.model,
+        "choices": [{"index": 0, "message": message_dict(answer), "logprobs": _logprobs(answer),
+                     "finish_reason": answer.finish_reason}],
+        "usage": _usage(answer),
+    })
+
+
+def sse_events(answer: Answer, include_usage: bool) -> bytes:
     """The same answer as a chat.completion.chunk stream, ending with `[DONE]`.
 
     One chunk each for the role, reasoning, content, each tool call's header and its arguments,
     then the finish reason and, when asked, the usage chunk (choices empty) before `[DONE]`.
     """
-    base = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
-            "model": completion["model"]}
-    choice = completion["choices"][0]
-    message = choice["message"]
+    base = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model}
+    reply = answer.reply
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         return b"data: " + _ENCODER.encode(body) + b"\n\n"
 
     out = [chunk({"role": "assistant", "content": ""})]
-    if message.get("reasoning"):
-        out.append(chunk({"reasoning": message["reasoning"], "reasoning_content": message["reasoning"]}))
-    if message.get("content"):
-        out.append(chunk({"content": message["content"]}, logprobs=choice["logprobs"]))
-    for i, call in enumerate(message.get("tool_calls") or ()):
-        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                          "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-        if call["function"]["arguments"]:
-            out.append(chunk({"tool_calls": [{"index": i,
-                                              "function": {"arguments": call["function"]["arguments"]}}]}))
-    out.append(chunk({}, choice["finish_reason"]))
+    if reply.reasoning:
+        out.append(chunk({"reasoning": reply.reasoning, "reasoning_content": reply.reasoning}))
+    if reply.content:
+        out.append(chunk({"content": reply.content}, logprobs=_logprobs(answer)))
+    for i, call in enumerate(reply.tool_calls):
+        out.append(chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                          "function": {"name": call.name, "arguments": ""}}]}))
+        if call.arguments:
+            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
+    out.append(chunk({}, answer.finish_reason))
     if include_usage:
-        out.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": completion["usage"]}) + b"\n\n")
+        out.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": _usage(answer)}) + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return b"".join(out)

@@ -1,16 +1,19 @@
 """The proxy's sampling policy: behaviour logprobs only tell the truth about the distribution sampled.
 
 Temperature is pinned (a training run samples at one temperature), and knobs that truncate or
-reshape the distribution (top_p, top_k, min_p, penalties) are either neutralised or refused. The
-agent's values and what was actually sent are both recorded on the turn.
+reshape the distribution (top_p, top_k, min_p, penalties) are either neutralised (not sent) or
+refused. `apply` never edits the call: it returns what the engine gets and the `Sampling` record
+the turn keeps (what was applied and what the agent asked for).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+from harness_rl.trace import Sampling
+from proxy.chat import Knobs
 from proxy.errors import ProxyError
 
 # Knob -> the value at which it leaves the distribution untouched.
@@ -22,30 +25,40 @@ NEUTRAL = {
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
 }
-RECORDED = ("temperature", *NEUTRAL, "seed", "max_tokens", "max_completion_tokens", "stop")
+Truncation = Literal["neutralise", "reject"]
 
 
-class SamplingPolicy(msgspec.Struct, frozen=True):
-    temperature: float | None = 1.0  # None: pass the agent's temperature through
-    truncation: Literal["neutralise", "reject"] = "neutralise"
-    max_tokens: int | None = None  # proxy-wide cap on each request's max_tokens
+class Applied(msgspec.Struct, kw_only=True, frozen=True):
+    """The sampling fields sent to the engine."""
 
-    def apply(self, body: dict[str, Any], session_cap: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Edit `body` in place to this policy; return (requested, applied) sampling params."""
-        requested = {k: body[k] for k in RECORDED if body.get(k) is not None}
+    temperature: float | None
+    max_tokens: int | None
+    seed: int | None
+    stop: list[str] | None
+
+
+class SamplingPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    temperature: Annotated[Annotated[float, msgspec.Meta(gt=0)] | None, msgspec.Meta(
+        description="sampling temperature pinned at the proxy; none passes each agent's own through")] = 1.0
+    truncation: Annotated[Truncation, msgspec.Meta(
+        description="what to do with knobs that truncate the distribution (top_p, top_k, min_p, penalties)")] \
+        = "neutralise"
+    max_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, msgspec.Meta(
+        description="proxy-wide cap on every request's max_tokens", extra={"flag": "--max-tokens-cap"})] = None
+
+    def apply(self, knobs: Knobs, session_cap: int | None) -> tuple[Applied, Sampling]:
+        """What the engine gets for these knobs, and the record of it; a refused knob is a 400."""
+        requested = msgspec.structs.asdict(knobs)
+        requested = {k: v for k, v in requested.items() if v is not None}
         for knob, neutral in NEUTRAL.items():
-            value = body.pop(knob, None)
+            value = requested.get(knob)
             if value is not None and value != neutral and self.truncation == "reject":
                 raise ProxyError(400, f"{knob}={value!r} would truncate the sampling distribution and make "
                                       f"behaviour logprobs lie; this proxy refuses it (leave {knob} unset)")
-        if self.temperature is not None:
-            body["temperature"] = self.temperature
-        wanted = body.pop("max_completion_tokens", None)
-        wanted = body.get("max_tokens") if body.get("max_tokens") is not None else wanted
-        caps = [c for c in (wanted, self.max_tokens, session_cap) if c is not None]
-        if caps:
-            body["max_tokens"] = min(caps)
-        else:
-            body.pop("max_tokens", None)
-        applied = {k: body[k] for k in ("temperature", "max_tokens", "seed", "stop") if body.get(k) is not None}
-        return requested, applied
+        temperature = self.temperature if self.temperature is not None else knobs.temperature
+        caps = [c for c in (knobs.max_tokens, self.max_tokens, session_cap) if c is not None]
+        applied = Applied(temperature=temperature, max_tokens=min(caps) if caps else None, seed=knobs.seed,
+                          stop=knobs.stop)
+        record = Sampling(temperature=temperature, max_tokens=applied.max_tokens, seed=knobs.seed,
+                          stop=knobs.stop or [], requested=requested, truncation=self.truncation)
+        return applied, record

@@ -17,15 +17,14 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import TrainingTrace, Turn
-from proxy.capture import SEP, CaptureGraph, Node, ids_text, offset_after, token_ids, token_text
+from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, StoredTurn, TrainingTrace, rebuild_turns
+from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
+from proxy.control_api import SessionSummary
 from proxy.store import (
-    NO_TOOLS,
     BudgetStop,
     Closed,
     SessionLog,
     SessionOpened,
-    TurnLine,
     Undelivered,
     decode_turn,
     encode_line,
@@ -53,12 +52,15 @@ class TurnCapture:
     logps: list[float]
     messages: list[bytes]  # each forwarded message, JSON-encoded
     tools: bytes | None  # the forwarded tools list, JSON-encoded
-    response: bytes
+    reply: Reply
+    sampling: Sampling
     metadata: dict[str, Any]
     policy_version: int | None
     finish_reason: str | None
     started_at: float
     finished_at: float
+    prompt_source: PromptSource | None = None
+    prefix_break: PrefixBreak | None = None
 
 
 class Session:
@@ -104,21 +106,19 @@ class Session:
         node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
                     capture.started_at)
         base = self.graph.add(node, sequence)
-        tail = msgspec.Raw(b"[" + sequence[base.shared:-1] + b"]")
         digests = array("q", map(hash, capture.messages)).tobytes()
         tools_digest = hash(capture.tools) if capture.tools is not None else None
         base_turn = self.turns.get(base.node_id) if base.node_id else None
         prefix = _common_digest_prefix(base_turn.message_digests, digests) if base_turn else 0
         inherit_tools = base_turn is not None and tools_digest is not None and base_turn.tools_digest == tools_digest
-        line = encode_line(TurnLine(
-            node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared), tail=tail,
-            n_prompt=capture.n_prompt,
-            per_token_logps=capture.logps, policy_version=capture.policy_version,
-            finish_reason=capture.finish_reason, messages_prefix=prefix,
+        line = encode_line(StoredTurn(
+            node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared),
+            tail=token_ids(sequence[base.shared:]), n_prompt=capture.n_prompt, per_token_logps=capture.logps,
+            policy_version=capture.policy_version, finish_reason=capture.finish_reason,
+            prompt_source=capture.prompt_source, prefix_break=capture.prefix_break, messages_prefix=prefix,
             messages=[msgspec.Raw(m) for m in capture.messages[prefix:]],
-            tools=NO_TOOLS if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),
-            tools_inherited=inherit_tools, response=msgspec.Raw(capture.response),
-            metadata=msgspec.Raw(msgspec.json.encode(capture.metadata)),
+            tools=None if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),  # type: ignore[arg-type]
+            tools_inherited=inherit_tools, reply=capture.reply, sampling=capture.sampling, metadata=capture.metadata,
             started_at=capture.started_at, finished_at=capture.finished_at,
         ))
         self.log.append(line)
@@ -138,18 +138,17 @@ class Session:
 
     def replay(self, line: Any, raw: bytes) -> None:
         """Rebuild state from one log line (recovery after a restart)."""
-        if isinstance(line, TurnLine):
+        if isinstance(line, StoredTurn):
             base = self.turns.get(line.base) if line.base else None
-            base_sequence = self.graph.sequence(line.base) if base else b""
-            tail, _ = ids_text(bytes(line.tail)) or (b"", 0)
-            sequence = base_sequence[:offset_after(base_sequence, line.shared)] + tail
+            base_sequence = self.graph.sequence(line.base) if base and line.base else b""
+            sequence = base_sequence[:offset_after(base_sequence, line.shared)] + token_text(line.tail)
             prompt_len = offset_after(sequence, line.n_prompt)
-            node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, False, line.started_at)
-            own = array("q", (hash(bytes(m)) for m in line.messages)).tobytes()
+            own = array("q", (hash(msgspec.json.encode(m)) for m in line.messages or ())).tobytes()
             digests = (base.message_digests[:line.messages_prefix * DIGEST] if base else b"") + own
             tools_digest = base.tools_digest if line.tools_inherited and base else (
-                hash(bytes(line.tools)) if line.tools != NO_TOOLS else None)
-            node.has_tools = tools_digest is not None
+                hash(msgspec.json.encode(line.tools)) if line.tools is not None else None)
+            node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None, line.started_at
+                        or 0.0)
             self.graph.add(node, sequence)
             self.turns[line.node_id] = CapturedTurn(raw + b"\n", digests, tools_digest)
             self.calls += 1
@@ -160,16 +159,16 @@ class Session:
         elif isinstance(line, BudgetStop):
             self.budget_stops += 1
 
-    def summary(self) -> dict[str, Any]:
-        return {"id": self.id, "created_at": self.opened.created_at, "closed": self.closed,
-                "turns": len(self.turns), "calls": self.calls, "budget_stops": self.budget_stops,
-                "max_turns": self.opened.max_turns, "max_tokens_per_turn": self.opened.max_tokens_per_turn,
-                "metadata": self.opened.metadata}
+    def summary(self) -> SessionSummary:
+        return SessionSummary(id=self.id, created_at=self.opened.created_at, closed=self.closed,
+                              turns=len(self.turns), calls=self.calls, budget_stops=self.budget_stops,
+                              max_turns=self.opened.max_turns, max_tokens_per_turn=self.opened.max_tokens_per_turn,
+                              metadata=self.opened.metadata)
 
     def snapshot(self) -> TraceSnapshot:
         """What a trace is built from, copied out of the live session (cheap: no decoding)."""
         parents, roles = self.graph.roles()
-        rows = [(node_id, c.line, c.delivered, self.graph.sequence(node_id)) for node_id, c in self.turns.items()]
+        rows = [(node_id, c.line, c.delivered) for node_id, c in self.turns.items()]
         metadata = {**self.opened.metadata, "closed": self.closed, "budget_stops": self.budget_stops}
         return TraceSnapshot(self.id, parents, roles, rows, metadata)
 
@@ -185,33 +184,16 @@ class TraceSnapshot:
     rollout_id: str
     parents: dict[str, str | None]
     roles: dict[str, str]
-    rows: list[tuple[str, bytes, bool, bytes]]  # node id, log line, delivered, prompt+completion bytes
+    rows: list[tuple[str, bytes, bool]]  # node id, log line, delivered
     metadata: dict[str, Any]
 
     def build(self) -> TrainingTrace:
-        messages_of: dict[str, list[Any]] = {}
-        tools_of: dict[str, Any] = {}
-        turns = []
-        for node_id, raw, delivered, sequence_bytes in self.rows:
-            line = decode_turn(raw)
-            own = [msgspec.json.decode(m) for m in line.messages]
-            messages = messages_of[line.base][:line.messages_prefix] + own if line.messages_prefix else own
-            tools = tools_of[line.base] if line.tools_inherited else msgspec.json.decode(line.tools)
-            messages_of[node_id], tools_of[node_id] = messages, tools
-            sequence = token_ids(sequence_bytes)
-            n_prompt = line.n_prompt
-            turns.append(Turn(
-                node_id=node_id, parent_id=self.parents[node_id], prompt_token_ids=sequence[:n_prompt],
-                completion_token_ids=sequence[n_prompt:], per_token_logps=line.per_token_logps,
-                loss_mask=[0] * n_prompt + [1 if delivered else 0] * (len(sequence) - n_prompt),
-                policy_version=line.policy_version, finish_reason=line.finish_reason,
-                role=self.roles[node_id],  # type: ignore[arg-type]
-                request={"messages": messages, "tools": tools},
-                response=msgspec.json.decode(line.response),
-                metadata={**msgspec.json.decode(line.metadata), "delivered": delivered},
-                started_at=line.started_at, finished_at=line.finished_at,
-            ))
-        return TrainingTrace(rollout_id=self.rollout_id, turns=turns, metadata=self.metadata)
+        stored = []
+        for node_id, raw, delivered in self.rows:
+            turn = decode_turn(raw)
+            turn.parent_id, turn.role, turn.delivered = self.parents[node_id], self.roles[node_id], delivered
+            stored.append(turn)
+        return TrainingTrace(rollout_id=self.rollout_id, turns=rebuild_turns(stored), metadata=self.metadata)
 
 
 def _common_digest_prefix(a: bytes, b: bytes) -> int:
@@ -227,6 +209,17 @@ def _common_digest_prefix(a: bytes, b: bytes) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def trace_from_log(path: Path) -> TrainingTrace:
+    """The trace of one session log file, rebuilt as the proxy would serve it (read-only)."""
+    lines, _ = read_log(path)
+    if not lines or not isinstance(lines[0][0], SessionOpened):
+        raise ValueError(f"{path} is not a proxy session log (no session line first)")
+    session = Session(lines[0][0], SessionLog(path, fsync=False))
+    for line, raw in lines[1:]:
+        session.replay(line, raw)
+    return session.trace()
 
 
 class SessionRegistry:

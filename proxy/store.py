@@ -2,8 +2,9 @@
 
 A turn is written (one `write` syscall, optionally fsync'd) before its reply leaves the proxy, so a
 proxy killed at any moment loses no answered turn; a torn last line from a kill mid-write is
-ignored on reading. Turn lines are delta-encoded against an earlier turn of the same session
-(shared token prefix, shared leading messages), so a log grows linearly with the conversation.
+ignored on reading. Turn lines are `harness_rl.trace.StoredTurn`s, the one stored form of a turn,
+delta-encoded against the earlier turn of the session sharing the longest token prefix, so a log
+grows linearly with the conversation. The other lines record the session's own events.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-NO_TOOLS = msgspec.Raw(b"null")
+from harness_rl.trace import StoredTurn
 
 
 class SessionOpened(msgspec.Struct, tag="session", tag_field="kind", kw_only=True):
@@ -24,27 +25,6 @@ class SessionOpened(msgspec.Struct, tag="session", tag_field="kind", kw_only=Tru
     metadata: dict[str, Any] = {}
     max_turns: int | None = None
     max_tokens_per_turn: int | None = None
-
-
-class TurnLine(msgspec.Struct, tag="turn", tag_field="kind", kw_only=True, omit_defaults=True):
-    """One captured turn, stored against `base`: its sequence starts with `shared` tokens of base's."""
-
-    node_id: str
-    base: str | None = None
-    shared: int = 0
-    tail: msgspec.Raw  # JSON array: the prompt+completion ids after the shared prefix
-    n_prompt: int
-    per_token_logps: list[float]
-    policy_version: int | None = None
-    finish_reason: str | None = None
-    messages_prefix: int = 0  # leading request messages equal to base's
-    messages: list[msgspec.Raw] = []
-    tools: msgspec.Raw = NO_TOOLS  # the forwarded tools list, unless inherited or absent
-    tools_inherited: bool = False
-    response: msgspec.Raw
-    metadata: msgspec.Raw
-    started_at: float
-    finished_at: float
 
 
 class Undelivered(msgspec.Struct, tag="undelivered", tag_field="kind"):
@@ -61,18 +41,19 @@ class BudgetStop(msgspec.Struct, tag="budget_stop", tag_field="kind"):
     at: float
 
 
-Line = SessionOpened | TurnLine | Undelivered | Closed | BudgetStop
+Line = SessionOpened | StoredTurn | Undelivered | Closed | BudgetStop
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Line)
+_TURN_DECODER = msgspec.json.Decoder(StoredTurn)
 
 
 def encode_line(line: Line) -> bytes:
     return _ENCODER.encode(line) + b"\n"
 
 
-def decode_turn(data: bytes) -> TurnLine:
-    return msgspec.json.decode(data, type=TurnLine)
+def decode_turn(data: bytes) -> StoredTurn:
+    return _TURN_DECODER.decode(data)
 
 
 class SessionLog:

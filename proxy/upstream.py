@@ -22,12 +22,45 @@ from proxy.errors import ProxyError
 POLICY_VERSION_HEADER = "x-policy-version"
 VLLM_HINT = ("start vLLM with `--logprobs-mode processed_logprobs --return-tokens-as-token-ids` "
              "(and `--generation-config vllm`), version 0.10.2 or newer for return_token_ids")
-CAPTURE_FIELDS = {"return_token_ids": True, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-                  "stream": False}
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
 
 _ENCODER = msgspec.json.Encoder()
+
+
+class EngineChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A chat request to the engine with exact capture on: prompt and sampled ids, sampled logprobs as ids.
+
+    The capture fields have no defaults, so they are always written (omit_defaults drops only the
+    optional sampling fields left unset).
+    """
+
+    messages: list[msgspec.Raw]  # each message already encoded (its bytes are also what the log keeps)
+    return_token_ids: bool
+    logprobs: bool
+    top_logprobs: int
+    return_tokens_as_token_ids: bool
+    stream: bool
+    tools: Any = None  # the tools list already encoded (msgspec.Raw), or None
+    tool_choice: Any = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    model: str | None = None
+
+    @classmethod
+    def capturing(cls, messages: list[msgspec.Raw], **fields: Any) -> EngineChatRequest:
+        return cls(messages=messages, return_token_ids=True, logprobs=True, top_logprobs=0,
+                   return_tokens_as_token_ids=True, stream=False, **fields)
+
+
+class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    model: str | None = None
 
 
 class EngineCall(msgspec.Struct, frozen=True):
@@ -60,24 +93,27 @@ class EngineClient:
             await self._http.close()
 
     async def served_model(self) -> str | None:
-        """The engine's model name (asked once): agents may call the policy anything."""
-        if self.model is None:
+        """The engine's model name, asked until the engine answers (agents may call the policy anything).
+
+        Never cached while unknown: a proxy started beside an engine that is still loading heals as
+        soon as the engine serves.
+        """
+        if not self.model:
             try:
                 status, body, _ = await self._send("GET", "/v1/models", None)
                 models = MODELS_DECODER.decode(body).data if status == 200 else []
-                self.model = str(models[0]["id"]) if models else ""
-            except (ProxyError, msgspec.DecodeError, KeyError):
-                self.model = ""
+            except (ProxyError, msgspec.DecodeError):
+                return None
+            self.model = str(models[0].get("id") or "") if models and isinstance(models[0], dict) else ""
         return self.model or None
 
-    async def chat(self, body: dict[str, Any]) -> EngineCall:
-        """Send a chat request with the capture fields set and return the checked reply."""
-        body.pop("stream_options", None)
-        body.update(CAPTURE_FIELDS)
+    async def chat(self, request: EngineChatRequest) -> EngineCall:
+        """Send a capturing chat request and return the checked reply."""
         model = await self.served_model()
         if model:
-            body["model"] = model
-        status, data, headers, attempts = await self._send_with_retries("/v1/chat/completions", _ENCODER.encode(body))
+            request = msgspec.structs.replace(request, model=model)
+        status, data, headers, attempts = await self._send_with_retries("/v1/chat/completions",
+                                                                        _ENCODER.encode(request))
         if status != 200:
             raise _engine_error(self.url, status, data)
         try:
@@ -91,12 +127,7 @@ class EngineClient:
 
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
         """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
-        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
-        if tools:
-            body["tools"] = tools
-        model = await self.served_model()
-        if model:
-            body["model"] = model
+        body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
         status, data, _, _ = await self._send_with_retries("/tokenize", _ENCODER.encode(body))
         if status != 200:
             raise _engine_error(self.url, status, data)

@@ -76,8 +76,9 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
 @pytest.fixture
 def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
     """A proxy in front of the fake engine, logging under `tmp_path / "store"`."""
-    from proxy.server import ProxyConfig, run_proxy_in_thread
+    from harness_rl.background import serve_proxy
+    from proxy.config import ProxyConfig
 
-    with run_proxy_in_thread(ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path / "store",
-                                         retries=2)) as running:
+    with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
+                                 retries=2)) as running:
         yield running

@@ -23,10 +23,11 @@ class Agent:
         assert created.status_code == 201, created.text
         self.session = created.json()
         self.base = self.session["openai_base_url"]
+        self.auth = {"Authorization": f"Bearer {self.session['key']}"}
 
     def chat(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
         return httpx.post(f"{self.base}/chat/completions", json={"model": "policy", "messages": messages, **body},
-                          headers={"Authorization": "Bearer agent-own-secret"}, timeout=30)
+                          headers=self.auth, timeout=30)
 
     def trace(self) -> TrainingTrace:
         got = httpx.get(f"{self.proxy.url}/sessions/{self.session['id']}/trace", headers=self.admin)

@@ -15,8 +15,9 @@ from aiohttp import web
 from adapters.harnesses import Endpoint, create_harness, tool_calls_in_trace
 from adapters.sandboxes.base import ExecResult
 from adapters.sandboxes.local import LocalSandbox
-from adapters.tasks import load_task, verify
-from harness_rl.trace import TrainingTrace, Turn
+from adapters.tasks import load_task
+from adapters.verifier import verify
+from harness_rl.trace import Reply, ToolCall, TrainingTrace, Turn
 
 pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
@@ -133,10 +134,9 @@ async def test_mini_swe_agent_report_skips_the_unexecuted_submit(sandbox) -> Non
 
 def test_tool_calls_in_trace_count_agent_turns_only() -> None:
     def turn(node: str, role: str, names: list[str]) -> Turn:
-        calls = [{"id": f"{node}{i}", "type": "function", "function": {"name": n, "arguments": "{}"}}
-                 for i, n in enumerate(names)]
+        calls = [ToolCall(id=f"{node}{i}", name=n, arguments="{}") for i, n in enumerate(names)]
         return Turn(node_id=node, role=role, prompt_token_ids=[1], completion_token_ids=[2], per_token_logps=[-0.5],
-                    loss_mask=[0, 1], response={"choices": [{"message": {"role": "assistant", "tool_calls": calls}}]})
+                    loss_mask=[0, 1], reply=Reply(tool_calls=calls))
 
     trace = TrainingTrace(rollout_id="r", turns=[turn("a", "agent", ["bash", "read"]), turn("b", "agent", ["bash"]),
                                                  turn("c", "discarded", ["bash"]), turn("d", "auxiliary", [])])

@@ -25,12 +25,15 @@ import pytest
 
 from adapters.harnesses import create_harness
 from adapters.tasks import Task, load_task
+from harness_rl.background import serve_proxy
+from harness_rl.config import RolloutConfig
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
-from harness_rl.rollouts import RolloutConfig, RolloutScheduler
+from harness_rl.rollouts import RolloutScheduler
 from harness_rl.rows import trace_rows
 from harness_rl.samples import build_samples
 from proxy.client import ProxyClient
-from proxy.server import ProxyConfig, RunningProxy, run_proxy_in_thread
+from proxy.config import ProxyConfig
+from proxy.server import RunningProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,9 +59,9 @@ def agent_clis() -> Path:
 
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=tmp_path_factory.mktemp("cli-store"),
+    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("cli-store")),
                          default_max_tokens_per_turn=64, default_max_turns=12)
-    with run_proxy_in_thread(config) as running:
+    with serve_proxy(config) as running:
         yield running
 
 
@@ -96,7 +99,7 @@ def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     assert len(agents) == agent_turns
     for turn in trace.turns:
         assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
-    assert agents[0].finish_reason == "tool_calls" and agents[0].request["tools"]
+    assert agents[0].finish_reason == "tool_calls" and agents[0].request.tools
     for parent, child in zip(agents, agents[1:], strict=False):
         assert child.parent_id == parent.node_id
         assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
@@ -118,7 +121,7 @@ async def test_opencode_solves_write_greeting(agent_clis: Path, proxy: RunningPr
     assert outcome.completion == "Done."
     assert sorted(t.role for t in outcome.trace.turns) == ["agent", "agent", "auxiliary"]
     title = next(t for t in outcome.trace.turns if t.role == "auxiliary")
-    assert not title.request.get("tools") and title.parent_id is None
+    assert not title.request.tools and title.parent_id is None
 
 
 async def test_claude_code_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
@@ -130,7 +133,7 @@ async def test_claude_code_solves_fix_off_by_one(agent_clis: Path, proxy: Runnin
     assert outcome.completion == "Fixed the bug."
     assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
     request = outcome.trace.turns[0].request
-    assert request["messages"][0]["role"] == "system" and "billing-header" not in json.dumps(request)
+    assert request.messages[0]["role"] == "system" and "billing-header" not in json.dumps(request.messages)
 
 
 async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:

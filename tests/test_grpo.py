@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness_rl.grpo import LossConfig, group_advantages, grpo_loss, k3_kl, token_weights
+from harness_rl.config import LossConfig
+from harness_rl.grpo import group_advantages, grpo_loss, k3_kl, token_weights
 
 
 def test_advantages_exclude_unscorable_from_the_baseline():
@@ -40,7 +41,8 @@ def test_loss_values_gradients_and_metrics_by_hand():
     logps = (behaviour + ratios.log()).requires_grad_()
     advantages = torch.tensor([1.0, -1.0, 2.0, -1.0])
     weights = torch.full((4,), 0.25)
-    loss, stats = grpo_loss(logps, behaviour, advantages, weights, LossConfig(epsilon=0.2, tis_cap=3.0))
+    config = LossConfig(epsilon=0.2, tis_cap=3.0, decoupled=False)
+    loss, stats = grpo_loss(logps, behaviour, advantages, weights, config)
     # high-clipped: -1.2; low-clipped: +0.8; unclipped: -1.1*2; truncated at 3: -(3 * -1)
     assert loss.item() == pytest.approx(0.25 * (-1.2 + 0.8 - 2.2 + 3.0), abs=1e-6)
     loss.backward()
@@ -60,22 +62,24 @@ def test_epsilon_high_is_asymmetric():
     behaviour = torch.zeros(2)
     logps = torch.log(torch.tensor([1.25, 1.25])).requires_grad_()
     advantages = torch.tensor([1.0, 1.0])
-    _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), LossConfig(epsilon=0.2, epsilon_high=0.28))
+    asymmetric = LossConfig(epsilon=0.2, epsilon_high=0.28, decoupled=False)
+    _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), asymmetric)
     assert stats["clip_ratio/high_mean"].item() == 0
-    _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), LossConfig(epsilon=0.2))
+    _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), LossConfig(epsilon=0.2, decoupled=False))
     assert stats["clip_ratio/high_mean"].item() == 2
 
 
 def test_k3_kl_penalty_by_hand():
     logps = torch.tensor([-1.0]).requires_grad_()
     ref = torch.tensor([-1.5])
-    loss, stats = grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), LossConfig(beta=0.1), ref)
+    config = LossConfig(beta=0.1, decoupled=False)
+    loss, stats = grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), config, ref)
     expected_kl = math.exp(-0.5) + 0.5 - 1
     assert loss.item() == pytest.approx(0.1 * expected_kl, abs=1e-7)
     assert stats["ref_kl"].item() == pytest.approx(expected_kl, abs=1e-7)
     assert k3_kl(torch.tensor([-2.0]), torch.tensor([-2.0])).item() == 0.0
     with pytest.raises(ValueError, match="reference"):
-        grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), LossConfig(beta=0.1))
+        grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), LossConfig(beta=0.1, decoupled=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +141,7 @@ def test_clipped_surrogate_equals_trl_with_behaviour_as_old_policy(loss_type, mo
     logps, behaviour, mask, advantages, ref = batch()
     ours_in = logps.clone().requires_grad_()
     trl_in = logps.clone().requires_grad_()
-    config = LossConfig(epsilon=0.2, epsilon_high=0.28, tis_cap=None, beta=beta)
+    config = LossConfig(epsilon=0.2, epsilon_high=0.28, tis_cap=None, beta=beta, decoupled=False)
     loss, stats = ours(ours_in, behaviour, mask, advantages, config, ref, mode)
     expected, metrics = trl_loss(trl_in, mask, advantages, loss_type=loss_type, eps_low=0.2, eps_high=0.28,
                                  beta=beta, old=behaviour, ref=ref)
@@ -153,7 +157,7 @@ def test_clipped_surrogate_equals_trl_with_behaviour_as_old_policy(loss_type, mo
         assert (stats["ref_kl"] / n).item() == pytest.approx(metrics["kl"], abs=1e-6)
 
 
-@pytest.mark.parametrize("config", [LossConfig(epsilon=100.0, tis_cap=1.3),
+@pytest.mark.parametrize("config", [LossConfig(epsilon=100.0, tis_cap=1.3, decoupled=False),
                                     LossConfig(epsilon=0.2, tis_cap=1.3, decoupled=True)],
                          ids=["clip-out-of-play", "decoupled"])
 def test_truncated_importance_sampling_equals_trl_vllm_token_truncate(config):
@@ -215,7 +219,8 @@ def test_token_loss_and_metrics_equal_trl_async_grpo_trainer():
     trl_in = flat_logps.clone().requires_grad_()
     n = flat_logps.numel()
     loss, stats = grpo_loss(ours_in, flat_behaviour, flat_adv, torch.full((n,), 1.0 / n),
-                            LossConfig(epsilon=0.2, epsilon_high=0.28, tis_cap=None), row_index=segment_id)
+                            LossConfig(epsilon=0.2, epsilon_high=0.28, tis_cap=None, decoupled=False),
+                            row_index=segment_id)
     expected, metrics = trl_async_loss(trl_in, flat_behaviour, flat_adv, segment_id, 0.2, 0.28)
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
     loss.backward()

@@ -45,7 +45,7 @@ def test_vllm_is_started_with_every_capture_and_weight_transfer_flag(launcher) -
         assert flag in joined
     assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
     train = launcher.train_command("Qwen/Qwen3.5-2B", "/data/run", ["--max-steps", "3"], port=8000)
-    assert train[:2] == ["harness-rl", "train"]
+    assert train[:4] == ["harness-rl", "train", "--preset", "real"]
     assert " ".join(train).endswith("--weight-sync nccl --output-dir /data/run --max-steps 3")
 
 

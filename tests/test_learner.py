@@ -2,14 +2,14 @@
 
 import json
 import math
-import queue
 import random
 
 import pytest
 import torch
 from tiny_lm import VOCAB, build_tiny_lm
 
-from harness_rl.learner import Learner, LearnerConfig, _schedule
+from harness_rl.config import LearnerConfig, LossConfig
+from harness_rl.learner import Learner, _schedule
 from harness_rl.metrics import MetricsLogger
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.trace import TrainingTrace, Turn
@@ -36,14 +36,15 @@ def agent_outcome(rng: random.Random, rid: str, reward: float, turns: int, versi
 
 def make_groups(n_groups: int, seed: int = 0, size: int = 4) -> list[RolloutGroup]:
     rng = random.Random(seed)
-    return [RolloutGroup(group_id=g, task="t", policy_version=g, outcomes=[
+    return [RolloutGroup(group_id=g, task="t", outcomes=[
         agent_outcome(rng, f"g{g}r{i}", rng.choice([0.0, 0.5, 1.0, None]), rng.randint(1, 4), max(0, g - 1))
         for i in range(size)]) for g in range(n_groups)]
 
 
-def config(**overrides) -> LearnerConfig:
+def config(loss: LossConfig | None = None, **overrides) -> LearnerConfig:
     return LearnerConfig(**{"learning_rate": 1e-3, "token_budget": 256, "lr_scheduler": "cosine",
-                            "warmup_steps": 1, "max_steps": 6, "max_staleness": 4, **overrides})
+                            "warmup_steps": 1, "max_steps": 6, "max_staleness": 4, **overrides},
+                         loss=loss or LossConfig())
 
 
 def quiet(tmp_path=None) -> MetricsLogger:
@@ -77,7 +78,7 @@ def test_micro_batching_does_not_change_the_step(model_dir):
     groups = make_groups(2, seed=3)
     params, metrics = [], []
     for budget in (40, 4096):
-        learner = Learner(model_dir, config(token_budget=budget, loss_normalization="rollout"), metrics=quiet())
+        learner = Learner(model_dir, config(LossConfig(normalization="rollout"), token_budget=budget), metrics=quiet())
         metrics.append(learner.step(groups))
         params.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
     assert metrics[0]["batch/microbatches_per_step"] > 2 and metrics[1]["batch/microbatches_per_step"] == 1
@@ -131,17 +132,6 @@ def test_every_step_logs_a_console_line_and_a_jsonl_record(model_dir, tmp_path, 
     assert (learner.step_count, learner.policy_version) == (2, 1)
 
 
-def test_run_consumes_groups_from_a_queue_and_stops_on_none(model_dir, tmp_path):
-    learner = Learner(model_dir, config(), output_dir=tmp_path, metrics=quiet())
-    q: queue.Queue = queue.Queue()
-    for group in make_groups(5):
-        q.put(group)
-    q.put(None)
-    learner.run(q, max_steps=10, groups_per_step=2, save_every=1)
-    assert learner.step_count == 2
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
-
-
 def test_schedules_by_hand():
     warm_cos = _schedule(LearnerConfig(lr_scheduler="cosine", warmup_steps=1, max_steps=5))
     assert [round(warm_cos(s), 6) for s in range(6)] == [0.5, 1.0, round(0.5 * (1 + math.cos(math.pi / 4)), 6),
@@ -150,7 +140,7 @@ def test_schedules_by_hand():
     assert [linear(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert _schedule(LearnerConfig())(100) == 1.0
     with pytest.raises(ValueError, match="max_steps"):
-        _schedule(LearnerConfig(lr_scheduler="cosine"))
+        _schedule(LearnerConfig(lr_scheduler="cosine", warmup_steps=3, max_steps=3))
 
 
 def test_gradient_checkpointing_gives_the_same_step(model_dir):
@@ -163,7 +153,7 @@ def test_gradient_checkpointing_gives_the_same_step(model_dir):
 
 
 def test_kl_penalty_uses_a_frozen_reference_model(model_dir):
-    learner = Learner(model_dir, config(beta=0.1), metrics=quiet())
+    learner = Learner(model_dir, config(LossConfig(beta=0.1)), metrics=quiet())
     first = learner.step(make_groups(2, seed=6))
     second = learner.step(make_groups(2, seed=7))
     assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
@@ -172,7 +162,7 @@ def test_kl_penalty_uses_a_frozen_reference_model(model_dir):
 
 
 def test_save_total_limit_keeps_the_newest_checkpoints(model_dir, tmp_path):
-    learner = Learner(model_dir, config(save_total_limit=2), output_dir=tmp_path, metrics=quiet())
+    learner = Learner(model_dir, config(), output_dir=tmp_path, metrics=quiet(), save_total_limit=2)
     for i in range(3):
         learner.step(make_groups(2, seed=i))
         learner.save()

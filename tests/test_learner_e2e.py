@@ -8,19 +8,25 @@ and after training, show the change came through weight sync, not just the learn
 """
 
 import asyncio
+import secrets
 
 import aiohttp
 import pytest
 import torch
 
+from adapters.harnesses import AgentRun, Endpoint, Harness, Launch
+from adapters.sandboxes import Sandbox
+from harness_rl.background import BackgroundLoop, serve_proxy
+from harness_rl.config import LearnerConfig, resolve
 from harness_rl.engine import Engine, serve_in_thread
-from harness_rl.learner import Learner, LearnerConfig
+from harness_rl.learner import Learner
 from harness_rl.metrics import MetricsLogger
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.trace import TrainingTrace
+from harness_rl.train import build_run
 from harness_rl.weight_sync import InProcessSync, ProxyGate
 from proxy.client import ProxyClient
-from proxy.server import ProxyConfig, run_proxy_in_thread
+from proxy.config import ProxyConfig
 
 GROUP_SIZE = 8
 STEPS = 24
@@ -77,9 +83,9 @@ def test_mean_reward_rises_through_the_real_proxy_and_the_engine_samples_show_it
 
     digits = digit_ids(AutoTokenizer.from_pretrained(tiny_model_dir))
     engine = Engine.from_pretrained(tiny_model_dir, served_model_name="tiny")
-    with serve_in_thread(engine) as engine_server, \
-            run_proxy_in_thread(ProxyConfig(upstream=engine_server.url, store_dir=tmp_path / "store")) as proxy:
-        sync = ProxyGate(InProcessSync(engine), proxy.url, proxy.admin_token, timeout_s=60)
+    with BackgroundLoop() as loop, serve_in_thread(engine) as engine_server, \
+            serve_proxy(ProxyConfig(upstream=engine_server.url, store_dir=str(tmp_path / "store")), loop) as proxy:
+        sync = ProxyGate(InProcessSync(engine), ProxyClient(proxy.url, proxy.admin_token), loop)
         learner = Learner(tiny_model_dir, LearnerConfig(learning_rate=1e-2, token_budget=4096, max_staleness=2),
                           weight_sync=sync, output_dir=tmp_path / "run", metrics=MetricsLogger(tmp_path / "run"))
 
@@ -118,56 +124,48 @@ def test_mean_reward_rises_through_the_real_proxy_and_the_engine_samples_show_it
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == STEPS
 
 
+class TwoTurnChat(Harness):
+    """An in-process agent: ask, get an answer, send a follow-up, get a second answer (no CLI, no tools)."""
+
+    name = "two-turn-chat"
+
+    async def install(self, sandbox: Sandbox) -> None:
+        pass
+
+    def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
+        raise NotImplementedError("runs in-process")
+
+    async def run(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, timeout: float | None) -> AgentRun:
+        seed = secrets.randbits(31)
+        async with aiohttp.ClientSession() as http:
+            first = await chat(http, endpoint.openai_base_url, endpoint.api_key, QUESTION, seed)
+            follow_up = QUESTION + [{"role": "assistant", "content": first}, {"role": "user", "content": "Go on."}]
+            await chat(http, endpoint.openai_base_url, endpoint.api_key, follow_up, seed + 1)
+        return AgentRun(exit_code=0, timed_out=False, stdout="", stderr="", duration_s=0.0)
+
+
 @pytest.mark.slow
-def test_it_still_learns_while_rollouts_overlap_training_with_stale_tokens(tiny_model_dir, tmp_path):
-    """Rollouts keep running (two groups ahead) while the learner trains in its own thread from a queue,
-    so groups arrive sampled by older versions; decoupled PPO trains them with importance correction.
-    (Clipping against the behaviour policy instead stalls here: see `harness_rl.grpo`.)"""
+def test_it_still_learns_through_the_one_training_loop_while_rollouts_overlap_training(tiny_model_dir, tmp_path):
+    """`build_run` + `Run.train`, the loop `harness-rl train` runs: rollouts keep going (a group ahead) while
+    the learner trains, so groups arrive sampled by older versions; decoupled PPO trains them with
+    importance correction. (Clipping against the behaviour policy instead stalls here: see `harness_rl.grpo`.)"""
     import json
-    import queue
-    import threading
 
     from transformers import AutoTokenizer
 
     digits = digit_ids(AutoTokenizer.from_pretrained(tiny_model_dir))
-    engine = Engine.from_pretrained(tiny_model_dir, served_model_name="tiny")
-    finished: queue.Queue = queue.Queue()
-    with serve_in_thread(engine) as engine_server, \
-            run_proxy_in_thread(ProxyConfig(upstream=engine_server.url, store_dir=tmp_path / "store")) as proxy:
-        learner = Learner(tiny_model_dir, LearnerConfig(learning_rate=1e-2, token_budget=4096, max_staleness=3,
-                                                        decoupled=True),
-                          weight_sync=ProxyGate(InProcessSync(engine), proxy.url, proxy.admin_token, timeout_s=60),
-                          output_dir=tmp_path / "run", metrics=MetricsLogger(tmp_path / "run", console=False))
-        training = threading.Thread(target=learner.run, args=(finished,), kwargs={"max_steps": STEPS})
-
-        async def produce() -> None:
-            async with aiohttp.ClientSession() as http, ProxyClient(proxy.url, proxy.admin_token) as client:
-                async def group(group_id: int) -> None:
-                    traces = await asyncio.gather(*(agent(http, client, 1000 * group_id + 2 * i)
-                                                    for i in range(GROUP_SIZE)))
-                    finished.put(RolloutGroup(group_id=group_id, task="digits", outcomes=[
-                        RolloutOutcome(rollout_id=t.rollout_id, task="digits", trace=t, reward=digit_share(t, digits))
-                        for t in traces]))
-
-                in_flight: set[asyncio.Task] = set()
-                group_id = 0
-                while training.is_alive():
-                    while len(in_flight) + finished.qsize() < 2:  # back-pressure: two groups ahead at most
-                        in_flight.add(asyncio.create_task(group(group_id)))
-                        group_id += 1
-                    if not in_flight:
-                        await asyncio.sleep(0.02)
-                        continue
-                    _, in_flight = await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                for task in in_flight:
-                    task.cancel()
-                await asyncio.gather(*in_flight, return_exceptions=True)
-
-        training.start()
-        asyncio.run(produce())
-        training.join()
-        learner.close()
-    engine.close()
+    config = resolve({"preset": "demo", "engine": {"model": str(tiny_model_dir)},
+                      "rollouts": {"num_generations": GROUP_SIZE, "max_concurrent_rollouts": GROUP_SIZE},
+                      "learner": {"max_steps": STEPS, "learning_rate": 1e-2, "token_budget": 4096, "max_staleness": 3,
+                                  "loss": {"decoupled": True}},
+                      "output": {"output_dir": str(tmp_path / "run"), "save_every": 0}})
+    run = build_run(config, harness=TwoTurnChat(), reward_fn=lambda outcome: digit_share(outcome.trace, digits))
+    try:
+        run.train()
+    finally:
+        run.close()
+    engine = run.engine.sync.engine
+    learner = run.learner
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r["batch/trained_tokens_per_step"]]

@@ -14,9 +14,12 @@ import pytest
 from fake_engine import IM_END, FakeEngine, Scripted, logprob_of
 from proxy_agent import TOOLS, Agent
 
+from harness_rl.background import serve_proxy
 from proxy.client import ProxyClient, ProxyClientError
+from proxy.config import ProxyConfig
+from proxy.pipeline import BUDGET_MESSAGE
 from proxy.sampling import SamplingPolicy
-from proxy.server import BUDGET_MESSAGE, ProxyConfig, RunningProxy, run_proxy_in_thread
+from proxy.server import RunningProxy
 
 Served = tuple[FakeEngine, str]  # the fake engine and its URL
 
@@ -60,7 +63,7 @@ def test_chat_turn_is_captured_exactly(fake_proxy: RunningProxy, fake_engine: Fa
     assert second.status_code == 200
     trace = agent.trace()
     t1, t2 = trace.turns
-    expected_prompt = fake_engine.render(fake_engine.requests[0]["messages"], TOOLS)
+    expected_prompt = fake_engine.render(fake_engine.requests[0]["messages"], fake_engine.requests[0]["tools"])
     expected_completion = fake_engine.assistant_ids(answer["choices"][0]["message"]) + [IM_END]
     assert t1.prompt_token_ids == expected_prompt
     assert t1.completion_token_ids == expected_completion
@@ -71,13 +74,14 @@ def test_chat_turn_is_captured_exactly(fake_proxy: RunningProxy, fake_engine: Fa
     assert (t1.role, t2.role) == ("agent", "agent")
     assert t1.policy_version == 7 and t1.finish_reason == "tool_calls"
     assert len(t1.node_id) == 12 and int(t1.node_id, 16) >= 0
-    assert t1.request == {"messages": messages[:2], "tools": TOOLS}
-    assert t2.request["messages"] == messages
-    assert t1.response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "bash"
-    assert t1.metadata["requested_sampling_params"] == {"temperature": 0.3, "top_p": 0.5, "max_tokens": 50}
-    assert t1.metadata["sampling_params"] == {"temperature": 1.0, "max_tokens": 50}
+    assert t1.request.messages == messages[:2] and t1.request.tools == TOOLS
+    assert [m["role"] for m in t2.request.messages] == ["system", "user", "assistant", "tool"]
+    assert t2.request.messages[2]["tool_calls"][0]["id"] == call["id"]
+    assert t1.reply.tool_calls[0].name == "bash" and t1.reply.tool_calls[0].arguments == '{"cmd": "ls"}'
+    assert t1.sampling.requested == {"temperature": 0.3, "top_p": 0.5, "max_tokens": 50}
+    assert (t1.sampling.temperature, t1.sampling.max_tokens, t1.sampling.truncation) == (1.0, 50, "neutralise")
     assert t1.metadata["dialect"] == "openai_chat" and t1.metadata["model"] == "policy"
-    assert "agent-own-secret" not in trace.to_json().decode()
+    assert agent.session["key"] not in trace.to_json().decode()
     assert t1.started_at <= t1.finished_at
 
 
@@ -100,6 +104,7 @@ def test_streaming_chat_with_tool_call_deltas_and_usage(fake_proxy: RunningProxy
     assert chunks[5]["choices"] == [] and chunks[5]["usage"]["prompt_tokens"] > 0
     assert all("token_ids" not in c and "prompt_token_ids" not in c for c in chunks)
     assert fake_engine.requests[-1]["stream"] is False and "stream_options" not in fake_engine.requests[-1]
+    assert fake_engine.requests[-1]["return_token_ids"] is True
     assert agent.trace().turns[0].metadata["stream"] is True
 
 
@@ -118,7 +123,10 @@ def test_routing_by_key_and_isolation(fake_proxy: RunningProxy, fake_engine: Fak
     assert httpx.post(f"{fake_proxy.url}/v1/chat/completions", json=body).status_code == 401
     assert httpx.post(f"{fake_proxy.url}/v1/chat/completions", json=body,
                       headers={"Authorization": "Bearer nope"}).status_code == 401
-    assert httpx.post(f"{fake_proxy.url}/s/sdoesnotexist/v1/chat/completions", json=body).status_code == 404
+    assert httpx.post(f"{fake_proxy.url}/s/sdoesnotexist/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {a.session['key']}"}).status_code == 404
+    for headers in ({}, {"Authorization": "Bearer junk"}):  # the session id alone never authorises a call
+        assert httpx.post(f"{a.base}/chat/completions", json=body, headers=headers).status_code == 401
 
 
 def test_concurrent_sessions_keep_their_own_graphs(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
@@ -129,7 +137,8 @@ def test_concurrent_sessions_keep_their_own_graphs(fake_proxy: RunningProxy, fak
         async with httpx.AsyncClient(timeout=30) as http:
             for step in range(3):
                 got = await http.post(f"{agent.base}/chat/completions",
-                                      json={"model": "m", "messages": messages, "tools": TOOLS})
+                                      json={"model": "m", "messages": messages, "tools": TOOLS},
+                                      headers={"Authorization": f"Bearer {agent.session['key']}"})
                 messages += [got.json()["choices"][0]["message"], {"role": "user", "content": f"go on {step}"}]
 
     async def all_of_them() -> None:
@@ -139,7 +148,7 @@ def test_concurrent_sessions_keep_their_own_graphs(fake_proxy: RunningProxy, fak
     for i, agent in enumerate(agents):
         turns = agent.trace().turns
         assert [t.parent_id for t in turns] == [None, turns[0].node_id, turns[1].node_id]
-        assert turns[0].request["messages"][0]["content"] == f"task {i}"
+        assert turns[0].request.messages[0]["content"] == f"task {i}"
 
 
 def test_client_api(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
@@ -150,17 +159,17 @@ def test_client_api(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
             async with httpx.AsyncClient() as http:
                 got = await http.post(f"{info.openai_base_url}/chat/completions",
                                       json={"model": "m", "messages": [{"role": "user", "content": "q"}],
-                                            "max_tokens": 99})
+                                            "max_tokens": 99}, headers={"Authorization": f"Bearer {info.key}"})
             assert got.status_code == 200
             assert fake_engine.requests[-1]["max_tokens"] == 10
             trace = await client.get_trace(info.id)
             assert len(trace.turns) == 1 and trace.metadata["task"] == "x"
-            assert trace.turns[0].metadata["max_tokens_cap"] == 10
+            assert trace.turns[0].sampling.max_tokens == 10
             await client.set_policy_version(4)
-            assert (await client.health())["policy_version"] == 4
-            assert [s["id"] for s in await client.list_sessions()] == [info.id]
+            assert (await client.health()).policy_version == 4
+            assert [s.id for s in await client.list_sessions()] == [info.id]
             closed = await client.close_session(info.id)
-            assert closed["closed"] is True
+            assert closed.closed is True
             await client.delete_session(info.id)
             with pytest.raises(ProxyClientError) as missing:
                 await client.get_trace(info.id)
@@ -197,9 +206,9 @@ def test_step_budget_answers_without_the_engine(fake_proxy: RunningProxy, fake_e
 
 
 def test_reject_truncation_policy(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path,
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path),
                          sampling=SamplingPolicy(truncation="reject"))
-    with run_proxy_in_thread(config) as running:
+    with serve_proxy(config) as running:
         agent = Agent(running)
         refused = agent.chat([{"role": "user", "content": "x"}], top_p=0.9)
         assert refused.status_code == 400 and "top_p" in refused.json()["error"]["message"]
@@ -215,7 +224,7 @@ def test_pause_holds_new_calls_until_resume(fake_proxy: RunningProxy, fake_engin
             admin = agent.admin
             fake_engine.script.append(Scripted(delay_s=0.3))
             one = {"model": "m", "messages": [{"role": "user", "content": "1"}]}
-            in_flight = asyncio.create_task(http.post(f"{agent.base}/chat/completions", json=one))
+            in_flight = asyncio.create_task(http.post(f"{agent.base}/chat/completions", json=one, headers=agent.auth))
             await asyncio.sleep(0.1)
             started = time.monotonic()
             paused = await http.post(f"{fake_proxy.url}/admin/pause", headers=admin)
@@ -223,7 +232,8 @@ def test_pause_holds_new_calls_until_resume(fake_proxy: RunningProxy, fake_engin
             assert time.monotonic() - started > 0.1  # waited for the call already at the engine
             assert (await in_flight).status_code == 200
             held = asyncio.create_task(http.post(f"{agent.base}/chat/completions",
-                                                 json={"model": "m", "messages": [{"role": "user", "content": "2"}]}))
+                                                 json={"model": "m", "messages": [{"role": "user", "content": "2"}]},
+                                                 headers=agent.auth))
             await asyncio.sleep(0.2)
             assert not held.done() and len(fake_engine.requests) == 1
             await http.post(f"{fake_proxy.url}/admin/resume", headers=admin)
@@ -233,15 +243,15 @@ def test_pause_holds_new_calls_until_resume(fake_proxy: RunningProxy, fake_engin
 
 
 def test_restart_recovers_every_turn(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, admin_token="admin")
-    with run_proxy_in_thread(config) as running:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), admin_token="admin")
+    with serve_proxy(config) as running:
         agent = Agent(running, metadata={"k": 1})
         messages = [{"role": "user", "content": "start"}]
         for i in range(3):
             got = agent.chat(messages, tools=TOOLS).json()
             messages += [got["choices"][0]["message"], {"role": "user", "content": f"more {i}"}]
         before = agent.trace()
-    with run_proxy_in_thread(config) as again:
+    with serve_proxy(config) as again:
         agent.proxy = again
         agent.base = agent.base.replace(running.url, again.url)
         after = agent.trace()
@@ -254,14 +264,14 @@ def test_restart_recovers_every_turn(fake_engine_server: Served, fake_engine: Fa
 
 
 def test_torn_log_tail_is_dropped(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, admin_token="admin")
-    with run_proxy_in_thread(config) as running:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), admin_token="admin")
+    with serve_proxy(config) as running:
         agent = Agent(running)
         agent.chat([{"role": "user", "content": "one"}])
     log = tmp_path / f"{agent.session['id']}.jsonl"
     with log.open("ab") as f:
         f.write(b'{"kind":"turn","node_id":"abc')  # a kill mid-write
-    with run_proxy_in_thread(config) as again:
+    with serve_proxy(config) as again:
         agent.proxy = again
         assert len(agent.trace().turns) == 1
         agent.base = agent.base.replace(running.url, again.url)
@@ -279,12 +289,13 @@ def test_client_disconnect_mid_reply_keeps_turn_with_mask_zero(
         async with httpx.AsyncClient(timeout=0.2) as http:
             with pytest.raises(httpx.TimeoutException):
                 await http.post(f"{agent.base}/chat/completions",
-                                json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+                                json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True},
+                                headers=agent.auth)
         await asyncio.sleep(0.6)
 
     asyncio.run(run())
     turn = agent.trace().turns[0]
-    assert turn.metadata["delivered"] is False
+    assert turn.delivered is False
     assert turn.loss_mask == [0] * len(turn.loss_mask) and turn.completion_token_ids
 
 
@@ -293,20 +304,21 @@ def test_client_disconnect_mid_reply_keeps_turn_with_mask_zero(
 
 @pytest.mark.parametrize("body, message", [
     (b"{not json", "not valid JSON"),
-    (b"[1, 2]", "JSON object"),
-    (b'{"model": "m"}', "'messages' is required"),
-    (b'{"model": "m", "messages": "hi"}', "non-empty array"),
+    (b"[1, 2]", "expected object, got array"),
+    (b'{"model": "m"}', "missing required field messages"),
+    (b'{"model": "m", "messages": "hi"}', "messages: expected array"),
     (b'{"model": "m", "messages": [{"content": "no role"}]}', "role"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "max_tokens"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', "n=2"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}', "n: 2 is not supported"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}', "tools"),
 ])
 def test_bad_openai_requests_get_400(
         fake_proxy: RunningProxy, fake_engine: FakeEngine, body: bytes, message: str,
 ) -> None:
     agent = Agent(fake_proxy)
-    got = httpx.post(f"{agent.base}/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    got = httpx.post(f"{agent.base}/chat/completions", content=body,
+                     headers={"Content-Type": "application/json", **agent.auth})
     assert got.status_code == 400
     assert message in got.json()["error"]["message"]
     assert fake_engine.requests == []
@@ -325,13 +337,14 @@ def test_closed_and_deleted_sessions(fake_proxy: RunningProxy, fake_engine: Fake
 
 
 def test_body_over_the_limit_is_413(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, max_body_mb=0.01)
-    with run_proxy_in_thread(config) as running:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), max_body_mb=0.01)
+    with serve_proxy(config) as running:
         agent = Agent(running)
         huge = agent.chat([{"role": "user", "content": "x" * 20_000}])
         assert huge.status_code == 413 and "MB" in huge.json()["error"]["message"]
         big = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 20_000}]}
-        anthropic = httpx.post(f"{agent.session['anthropic_base_url']}/v1/messages", json=big)
+        anthropic = httpx.post(f"{agent.session['anthropic_base_url']}/v1/messages", json=big,
+                               headers={"x-api-key": agent.session["key"]})
         assert anthropic.status_code == 413 and anthropic.json()["error"]["type"] == "request_too_large"
         assert agent.chat([{"role": "user", "content": "small"}]).status_code == 200
 
@@ -344,7 +357,7 @@ def _free_port() -> int:
 
 def test_engine_down_is_502_naming_the_url(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{_free_port()}"
-    with run_proxy_in_thread(ProxyConfig(upstream=url, store_dir=tmp_path, retries=1, upstream_model="m")) as running:
+    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path), retries=1, upstream_model="m")) as running:
         agent = Agent(running)
         got = agent.chat([{"role": "user", "content": "x"}])
         assert got.status_code == 502 and url in got.json()["error"]["message"]
@@ -352,8 +365,8 @@ def test_engine_down_is_502_naming_the_url(tmp_path: Path) -> None:
 
 
 def test_engine_timeout_is_504(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, request_timeout_s=0.3, retries=0)
-    with run_proxy_in_thread(config) as running:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), request_timeout_s=0.3, retries=0)
+    with serve_proxy(config) as running:
         agent = Agent(running)
         agent.chat([{"role": "user", "content": "warm"}])  # learns the served model name
         fake_engine.script.append(Scripted(delay_s=1.0))
@@ -401,7 +414,7 @@ def test_engine_400_passes_through_as_400(fake_proxy: RunningProxy, fake_engine:
 
 def test_models_route(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     agent = Agent(fake_proxy)
-    got = httpx.get(f"{agent.base}/models")
+    got = httpx.get(f"{agent.base}/models", headers=agent.auth)
     assert got.status_code == 200 and got.json()["data"][0]["id"] == "fake"
 
 
@@ -413,8 +426,8 @@ def test_unknown_route_is_a_json_404(fake_proxy: RunningProxy) -> None:
 
 def test_slow_engine_gets_keepalives_then_the_answer(fake_engine_server: Served, fake_engine: FakeEngine,
                                                      tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, keepalive_s=0.1, retries=0)
-    with run_proxy_in_thread(config) as running:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), keepalive_s=0.1, retries=0)
+    with serve_proxy(config) as running:
         agent = Agent(running)
         agent.chat([{"role": "user", "content": "warm"}])
         fake_engine.script.append(Scripted(delay_s=0.45, content="slow but sure"))
@@ -423,7 +436,7 @@ def test_slow_engine_gets_keepalives_then_the_answer(fake_engine_server: Served,
         blocks = got.text.split("\n\n")
         assert blocks[0] == ": keepalive" and blocks.count(": keepalive") >= 3
         assert '"content":"slow but sure"' in got.text and got.text.endswith("data: [DONE]\n\n")
-        client = openai.OpenAI(base_url=agent.base, api_key="k")
+        client = openai.OpenAI(base_url=agent.base, api_key=agent.session["key"])
         fake_engine.script.append(Scripted(delay_s=0.3, content="parsed"))
         chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}],
                                                      stream=True))

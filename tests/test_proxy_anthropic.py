@@ -12,16 +12,17 @@ import pytest
 from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent
 
+from harness_rl.background import serve_proxy
 from proxy.anthropic import signature_for
-from proxy.server import ProxyConfig, RunningProxy, run_proxy_in_thread
+from proxy.config import ProxyConfig
+from proxy.server import RunningProxy
 
 TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
          {"type": "web_search_20250305", "name": "web_search"}]
 SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cch=93ab1;"},
           {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
           {"type": "text", "text": "Be careful."}]
-CLAUDE_CODE_HEADERS = {"x-api-key": "sk-ant-agent-own", "anthropic-version": "2023-06-01",
-                       "anthropic-beta": "claude-code-20250219"}
+CLAUDE_CODE_HEADERS = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"}
 
 
 def claude_code_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -32,8 +33,8 @@ def claude_code_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, 
 
 
 def post(agent: Agent, path: str, body: Any, **kw: Any) -> httpx.Response:
-    return httpx.post(f"{agent.session['anthropic_base_url']}{path}", json=body, headers=CLAUDE_CODE_HEADERS,
-                      timeout=30, **kw)
+    headers = {**CLAUDE_CODE_HEADERS, "x-api-key": agent.session["key"]}
+    return httpx.post(f"{agent.session['anthropic_base_url']}{path}", json=body, headers=headers, timeout=30, **kw)
 
 
 def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -77,16 +78,16 @@ def test_messages_translate_to_chat_and_back(fake_proxy: RunningProxy, fake_engi
     second = post(agent, "/v1/messages", claude_code_body(messages)).json()
     assert second["content"] == [{"type": "text", "text": "It is a.py."}] and second["stop_reason"] == "end_turn"
     sent = fake_engine.requests[-1]["messages"]
-    assert sent[3] == {"role": "assistant", "content": None, "reasoning": "look first",
+    assert sent[3] == {"role": "assistant", "reasoning": "look first",
                        "tool_calls": [{"id": tool_use["id"], "type": "function",
                                        "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}
     assert sent[4] == {"role": "tool", "tool_call_id": tool_use["id"], "content": "a.py"}
     assert sent[5] == {"role": "user", "content": "Now explain."}
     t1, t2 = agent.trace().turns
     assert t1.metadata["dialect"] == "anthropic_messages"
-    assert t1.response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "Bash"
-    assert t2.request["messages"] == sent
-    assert "sk-ant-agent-own" not in agent.trace().to_json().decode()
+    assert t1.reply.tool_calls[0].name == "Bash"
+    assert t2.request.messages == sent
+    assert agent.session["key"] not in agent.trace().to_json().decode()
 
 
 def test_streaming_event_sequence(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
@@ -140,8 +141,10 @@ def test_errors_use_the_anthropic_shape(fake_proxy: RunningProxy, fake_engine: F
     agent = Agent(fake_proxy)
     missing = post(agent, "/v1/messages", {"model": "m", "max_tokens": 5})
     assert missing.status_code == 400
-    assert missing.json() == {"type": "error", "error": {"type": "invalid_request_error",
-                                                         "message": "messages: Field required"}}
+    assert missing.json()["type"] == "error" and missing.json()["error"]["type"] == "invalid_request_error"
+    assert "missing required field messages" in missing.json()["error"]["message"]
+    no_max_tokens = post(agent, "/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert no_max_tokens.status_code == 400 and "max_tokens" in no_max_tokens.json()["error"]["message"]
     bad_system = post(agent, "/v1/messages", {"model": "m", "max_tokens": 5, "system": 3, "messages": []})
     assert bad_system.status_code == 400
     unknown = httpx.post(f"{fake_proxy.url}/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []},
@@ -166,9 +169,9 @@ def test_budget_stop_in_anthropic_dialect(fake_proxy: RunningProxy, fake_engine:
 
 def test_engine_failure_after_keepalives_is_an_error_event(fake_engine_server: tuple, fake_engine: FakeEngine,
                                                            tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=tmp_path, keepalive_s=0.1, retries=0,
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), keepalive_s=0.1, retries=0,
                          upstream_model="fake")
-    with run_proxy_in_thread(config) as running:
+    with serve_proxy(config) as running:
         agent = Agent(running)
         fake_engine.script.append(Scripted(delay_s=0.3, status=503))
         got = post(agent, "/v1/messages", claude_code_body([{"role": "user", "content": "x"}], stream=True))

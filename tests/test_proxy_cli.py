@@ -15,19 +15,21 @@ from proxy_agent import TOOLS
 
 from harness_rl.trace import TrainingTrace
 
-ADMIN = {"Authorization": "Bearer admin-token"}
+ADMIN = {"Authorization": "Bearer s3cret-admin-token"}
 
 
 @contextmanager
 def serve_proxy(upstream: str, store: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    token_file = store.parent / "admin-token"
+    token_file.write_text("s3cret-admin-token\n")
     process = subprocess.Popen(
         [sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", upstream, "--port", "0",
-         "--store", str(store), "--admin-token", "admin-token"],
+         "--store", str(store), "--admin-token-file", str(token_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = process.stdout.readline()
         assert first.startswith("harness-rl proxy on "), first + process.stderr.read()
-        assert process.stdout.readline().strip() == "admin token: admin-token"
+        assert "s3cret-admin-token" not in first  # the token itself is never printed
         yield process, first.split()[3]
     finally:
         if process.poll() is None:
@@ -44,19 +46,20 @@ def trace(url: str, session_id: str) -> TrainingTrace:
 def test_sigkill_and_restart_serve_every_completed_turn(fake_engine_server: tuple, fake_engine: object,
                                                         tmp_path: Path) -> None:
     upstream = fake_engine_server[1]
-    with serve_proxy(upstream, tmp_path) as (process, url):
+    with serve_proxy(upstream, tmp_path / "store") as (process, url):
         sessions = [httpx.post(f"{url}/sessions", headers=ADMIN, json={"metadata": {"n": i}}).json() for i in range(2)]
         for session in sessions:
             messages = [{"role": "user", "content": f"task {session['id']}"}]
             for step in range(3):
                 got = httpx.post(f"{session['openai_base_url']}/chat/completions",
-                                 json={"model": "m", "messages": messages, "tools": TOOLS})
+                                 json={"model": "m", "messages": messages, "tools": TOOLS},
+                                 headers={"Authorization": f"Bearer {session['key']}"})
                 assert got.status_code == 200
                 messages += [got.json()["choices"][0]["message"], {"role": "user", "content": f"next {step}"}]
         before = {s["id"]: trace(url, s["id"]).to_json() for s in sessions}
         process.send_signal(signal.SIGKILL)
         process.wait(10)
-    with serve_proxy(upstream, tmp_path) as (process, url):
+    with serve_proxy(upstream, tmp_path / "store") as (process, url):
         for session in sessions:
             assert trace(url, session["id"]).to_json() == before[session["id"]]
             assert [t.parent_id is None for t in trace(url, session["id"]).turns] == [True, False, False]
@@ -69,7 +72,7 @@ def test_sigkill_and_restart_serve_every_completed_turn(fake_engine_server: tupl
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_clean_shutdown_on_signal(fake_engine_server: tuple, tmp_path: Path, sig: signal.Signals) -> None:
-    with serve_proxy(fake_engine_server[1], tmp_path) as (process, url):
+    with serve_proxy(fake_engine_server[1], tmp_path / "store") as (process, url):
         assert httpx.get(f"{url}/health").status_code == 200
         process.send_signal(sig)
         assert process.wait(10) == 0

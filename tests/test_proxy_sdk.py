@@ -12,8 +12,10 @@ import httpx
 import openai
 import pytest
 
+from harness_rl.background import serve_proxy
 from harness_rl.trace import TrainingTrace
-from proxy.server import ProxyConfig, RunningProxy, run_proxy_in_thread
+from proxy.config import ProxyConfig
+from proxy.server import RunningProxy
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +29,9 @@ ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command.",
 
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=tmp_path_factory.mktemp("sdk-store"),
+    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("sdk-store")),
                          default_max_tokens_per_turn=64)
-    with run_proxy_in_thread(config) as running:
+    with serve_proxy(config) as running:
         yield running
 
 
@@ -54,12 +56,15 @@ def trace_of(proxy: RunningProxy, session: dict[str, Any]) -> TrainingTrace:
 def engine_answer(engine_url: str, turn: Any, forced: str | None) -> dict[str, Any]:
     """Ask the engine directly for the same turn (same forced text): what the proxy must have recorded."""
     if forced is not None:
-        force(engine_url, tools=[forced] if turn.request["tools"] else [],
-              no_tools=[] if turn.request["tools"] else [forced])
-    body = {"model": "tiny", "messages": turn.request["messages"], "logprobs": True, "top_logprobs": 0,
-            "return_token_ids": True, "return_tokens_as_token_ids": True, **turn.metadata["sampling_params"]}
-    if turn.request["tools"]:
-        body["tools"] = turn.request["tools"]
+        force(engine_url, tools=[forced] if turn.request.tools else [],
+              no_tools=[] if turn.request.tools else [forced])
+    sampling = {"temperature": turn.sampling.temperature, "max_tokens": turn.sampling.max_tokens,
+                "seed": turn.sampling.seed}
+    body = {"model": "tiny", "messages": turn.request.messages, "logprobs": True, "top_logprobs": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+            **{k: v for k, v in sampling.items() if v is not None}}
+    if turn.request.tools:
+        body["tools"] = turn.request.tools
     return httpx.post(f"{engine_url}/v1/chat/completions", json=body, timeout=60).json()
 
 
@@ -74,7 +79,7 @@ def assert_turn_is_the_engines(engine_url: str, turn: Any, forced: str) -> None:
 
 def test_openai_sdk_tool_round_trip_stream_and_not(proxy: RunningProxy, engine_url: str) -> None:
     session = new_session(proxy)
-    client = openai.OpenAI(base_url=session["openai_base_url"], api_key="sk-agent-own")
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["key"])
     force(engine_url, tools=[TOOL_TEXT, "All done."])
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
                                       {"role": "user", "content": "List the files."}]
@@ -103,12 +108,12 @@ def test_openai_sdk_tool_round_trip_stream_and_not(proxy: RunningProxy, engine_u
     assert t2.parent_id == t1.node_id  # the tiny template re-renders the tool call exactly
     assert t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
     assert t3.parent_id is None and t3.role == "auxiliary"  # tool-less side call in a tool session
-    assert "sk-agent-own" not in trace.to_json().decode()
+    assert session["key"] not in trace.to_json().decode()
 
 
 def test_anthropic_sdk_tool_use_round_trip_stream_and_not(proxy: RunningProxy, engine_url: str) -> None:
     session = new_session(proxy)
-    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key="agent-own-key")
+    client = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["key"])
     force(engine_url, tools=[TOOL_TEXT, "The file is README.md."])
     system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=abc;"},
               {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
@@ -139,11 +144,11 @@ def test_anthropic_sdk_tool_use_round_trip_stream_and_not(proxy: RunningProxy, e
     assert count.input_tokens == len(t2.prompt_token_ids)  # exact: the engine's own template
     assert_turn_is_the_engines(engine_url, t1, TOOL_TEXT)
     assert_turn_is_the_engines(engine_url, t2, "The file is README.md.")
-    assert t1.request["messages"][0] == {"role": "system", "content": "You are Claude Code."}
-    assert t2.request["messages"][2]["tool_calls"][0]["function"]["name"] == "bash"
-    assert t2.request["messages"][3]["role"] == "tool" and t2.request["messages"][3]["content"] == "README.md"
+    assert t1.request.messages[0] == {"role": "system", "content": "You are Claude Code."}
+    assert t2.request.messages[2]["tool_calls"][0]["function"]["name"] == "bash"
+    assert t2.request.messages[3]["role"] == "tool" and t2.request.messages[3]["content"] == "README.md"
     assert t1.metadata["dialect"] == "anthropic_messages"
-    assert "agent-own-key" not in trace.to_json().decode()
+    assert session["key"] not in trace.to_json().decode()
 
 
 def test_forced_completion_queue_is_left_clean(engine_url: str) -> None:

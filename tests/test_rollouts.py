@@ -20,7 +20,8 @@ from adapters.harnesses.echo import EchoHarness
 from adapters.sandboxes import Sandbox, SandboxStartError
 from adapters.sandboxes.local import LocalSandbox, marked_processes
 from adapters.tasks import load_task
-from harness_rl.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler
+from harness_rl.config import RolloutConfig
+from harness_rl.rollouts import RolloutConfigError, RolloutScheduler
 from proxy.client import ProxyClient
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +74,8 @@ class TrackedSandboxes:
 
 
 def scheduler(client, tasks=(DIGITS,), factory=None, harness=None, **config) -> RolloutScheduler:
-    options = {"num_generations": 4, "max_concurrent_rollouts": 4, "sandbox_retry_backoff_s": 0.01, **config}
+    options = {"harness": "echo", "num_generations": 4, "max_concurrent_rollouts": 4, "sandbox_retry_backoff_s": 0.01,
+               **config}
     return RolloutScheduler(list(tasks), client, RolloutConfig(**options), harness=harness,
                             sandbox_factory=factory or TrackedSandboxes())
 
@@ -91,7 +93,7 @@ async def test_a_group_scores_each_echo_answer_with_the_verifier(client, fake_en
         assert [t.role for t in outcome.trace.validate().turns] == ["agent"]
         assert outcome.trace.metadata["task"] == "harness-rl/digits"
     sessions = await client.list_sessions()
-    assert len(sessions) == 4 and all(s["closed"] for s in sessions)
+    assert len(sessions) == 4 and all(s.closed for s in sessions)
     assert all(not root.exists() for root in sandboxes.roots) and not sandboxes.processes_left()
 
 
@@ -221,7 +223,7 @@ async def test_cancelling_mid_run_leaves_nothing_behind(client, fake_engine) -> 
     assert sandboxes.active == 0 and not sandboxes.processes_left()
     assert all(not root.exists() for root in sandboxes.roots)
     sessions = await client.list_sessions()
-    assert len(sessions) == 4 and all(s["closed"] for s in sessions)
+    assert len(sessions) == 4 and all(s.closed for s in sessions)
     assert queue.empty()
 
 
@@ -235,5 +237,5 @@ async def test_a_cloud_sandbox_with_a_loopback_proxy_url_stops_the_run(client) -
     with pytest.raises(RolloutConfigError, match="--advertise-url"):
         await runner.run(asyncio.Queue(), num_groups=2)
     sessions = await client.list_sessions()
-    assert sessions and all(s["closed"] for s in sessions)
+    assert sessions and all(s.closed for s in sessions)
     assert sandboxes.active == 0 and all(not root.exists() for root in sandboxes.roots)

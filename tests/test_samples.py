@@ -4,7 +4,7 @@ import pytest
 
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.samples import build_samples
-from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.trace import Sampling, TrainingTrace, Turn
 
 
 def outcome(rid, reward, versions=(0,), n_completion=2):
@@ -67,8 +67,8 @@ def test_per_rollout_normalisation_weighs_rollouts_equally():
 
 def test_turns_sampled_at_another_temperature_are_context_only():
     a = outcome("a", 1.0, versions=(0, 0))
-    a.trace.turns[0].metadata = {"sampling_params": {"temperature": 0.7}}
-    a.trace.turns[1].metadata = {"sampling_params": {"temperature": 1.0}}
+    a.trace.turns[0].sampling = Sampling(temperature=0.7)
+    a.trace.turns[1].sampling = Sampling(temperature=1.0)
     group = RolloutGroup(group_id=0, task="t", outcomes=[a, outcome("b", 0.0)])
     samples, metrics = build_samples([group], policy_version=0, max_staleness=None, normalization="token",
                                      temperature=1.0)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from adapters.sandboxes.local import LocalSandbox
-from adapters.tasks import Reward, TaskError, load_task, load_tasks, parse_reward, verify
+from adapters.tasks import TaskError, load_task, load_tasks
+from adapters.verifier import Reward, parse_reward, verify
 
 pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from trace_strategies import traces
 
 from harness_rl import trace as T
-from harness_rl.trace import TraceFormatError, TraceValidationError, TrainingTrace, Turn
+from harness_rl.trace import Request, Sampling, TraceFormatError, TraceValidationError, TrainingTrace, Turn
 
 
 def chain(n_turns: int, prompt0: int = 4, step: int = 3, completion: int = 2) -> TrainingTrace:
@@ -24,8 +24,8 @@ def chain(n_turns: int, prompt0: int = 4, step: int = 3, completion: int = 2) ->
             node_id=f"t{i}", parent_id=f"t{i - 1}" if i else None, prompt_token_ids=prompt,
             completion_token_ids=comp, per_token_logps=[-0.5] * completion,
             loss_mask=[0] * len(prompt) + [1] * completion, policy_version=i, finish_reason="tool_calls",
-            request={"messages": [{"role": "user", "content": f"m{j}"} for j in range(i + 1)],
-                     "tools": [{"name": "bash"}]},
+            request=Request(messages=[{"role": "user", "content": f"m{j}"} for j in range(i + 1)],
+                            tools=[{"name": "bash"}]),
         ))
         prompt = prompt + comp + list(range(token - step, token))
     return TrainingTrace(rollout_id="r1", turns=turns)
@@ -43,11 +43,11 @@ def test_valid_traces_round_trip_exactly_through_json_and_msgpack(trace: Trainin
 @given(traces())
 def test_delta_storage_holds_each_shared_token_once(trace: TrainingTrace) -> None:
     stored = msgspec.json.decode(trace.to_json())
-    stored_prompt_tokens = sum(len(t["prompt_suffix"]) for t in stored["turns"])
+    stored_tokens = sum(len(t["tail"]) for t in stored["turns"])
     by_id = {t.node_id: t for t in trace.turns}
-    expected = sum(len(t.prompt_token_ids) - (len(by_id[t.parent_id].sequence) if t.parent_id else 0)
+    expected = sum(len(t.sequence) - (len(by_id[t.parent_id].sequence) if t.parent_id else 0)
                    for t in trace.turns)
-    assert stored_prompt_tokens == expected
+    assert stored_tokens == expected
 
 
 def test_storage_grows_linearly_with_turns() -> None:
@@ -68,6 +68,11 @@ def _corrupt(rule: str, trace: TrainingTrace, data: st.DataObject) -> None:
     leaf = _leaf_with_completion(trace)
     if rule == T.UNSUPPORTED_SCHEMA:
         trace.schema_version = data.draw(st.sampled_from([0, 2, 99]))
+    elif rule == T.INVALID_SAMPLING:
+        turns.append(Turn(node_id="hot", prompt_token_ids=[1], completion_token_ids=[2, 3], per_token_logps=[-1.0] * 2,
+                          loss_mask=[0, 1, 1], sampling=data.draw(st.sampled_from(
+                              [Sampling(temperature=0.0), Sampling(temperature=math.inf), Sampling(max_tokens=0),
+                               Sampling(max_tokens=1)]))))
     elif rule == T.NO_PROMPT_IDS:
         turns.append(Turn(node_id="empty", prompt_token_ids=[], completion_token_ids=[1],
                           per_token_logps=[-1.0], loss_mask=[1]))

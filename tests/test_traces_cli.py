@@ -11,13 +11,17 @@ import pytest
 from test_trace import chain
 
 from harness_rl.cli import main
+from harness_rl.trace import PrefixBreak
 
 
 @pytest.fixture
 def good(tmp_path: Path) -> Path:
     trace = chain(3)
     trace.turns[1].loss_mask[-1] = 0
+    trace.turns[1].prompt_source = "spliced"
     trace.turns[2].role = "auxiliary"
+    trace.turns[2].prompt_source = "rendered"
+    trace.turns[2].prefix_break = PrefixBreak(position=7, cause="retokenized", against="t1")
     path = tmp_path / "good.msgpack"
     trace.save(path)
     return path
@@ -46,9 +50,25 @@ def test_show_lists_roles_lengths_and_trained_spans(good: Path, capsys: pytest.C
     assert main(["traces", "show", str(good)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "rollout r1: 3 turns, 3 trained tokens"
-    assert lines[2].split() == ["0", "t0", "(root)", "agent", "0", "4", "2", "tool_calls", "0-1"]
-    assert lines[3].split() == ["1", "t1", "t0", "agent", "1", "9", "2", "tool_calls", "0"]
-    assert lines[4].split()[3] == "auxiliary"
+    assert lines[2].split() == ["0", "t0", "(root)", "agent", "0", "4", "2", "tool_calls", "-", "0-1"]
+    assert lines[3].split() == ["1", "t1", "t0", "agent", "1", "9", "2", "tool_calls", "spliced", "0"]
+    assert lines[4].split()[3] == "auxiliary" and lines[4].split()[8] == "rendered"
+    assert lines[5].strip() == "prefix broke at token 7 of t1: retokenized"
+
+
+def test_show_reads_a_proxy_session_log(fake_proxy, fake_engine, capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy_agent import TOOLS, Agent
+
+    agent = Agent(fake_proxy)
+    messages = [{"role": "user", "content": "go"}]
+    for step in range(2):
+        answer = agent.chat(messages, tools=TOOLS).json()["choices"][0]["message"]
+        messages += [answer, {"role": "user", "content": f"more {step}"}]
+    log = Path(fake_proxy.proxy.config.store_dir) / f"{agent.session['id']}.jsonl"
+    assert main(["traces", "show", str(log)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"rollout {agent.session['id']}: 2 turns")
+    assert main(["traces", "validate", str(log)]) == 0
 
 
 def test_export_writes_openenv_json(good: Path, tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ import pytest
 import torch
 from aiohttp import web
 
+from harness_rl.background import BackgroundLoop
 from harness_rl.weight_sync import ProxyGate, VllmNcclSync, WeightSyncError, free_port
+from proxy.client import ProxyClient
 
 PUSH_ORDER = ["POST /pause?mode=wait", "POST /start_weight_update", "POST /update_weights",
               "POST /finish_weight_update", "POST /reset_prefix_cache", "POST /resume"]
@@ -47,22 +49,29 @@ class FakeVllm:
                 return web.json_response({"error": "trainer never joined"}, status=500)
         if route == "/get_world_size":
             return web.json_response({"world_size": 2})
+        if route == "/admin/pause":
+            return web.json_response({"paused": True, "in_flight": 0})
+        if route == "/admin/resume":
+            return web.json_response({"paused": False})
+        if route == "/admin/policy_version":
+            return web.json_response(self.bodies[route])
         return web.json_response({"status": "ok"})
 
     def start(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = BackgroundLoop("fake-vllm")
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+
+        async def serve() -> None:
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+        self.loop.run(serve())
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.loop.run(self.runner.cleanup(), timeout=10)
+        self.loop.close()
 
 
 class FakeNccl:
@@ -97,14 +106,20 @@ def vllm():
 
 
 @pytest.fixture
+def loop():
+    with BackgroundLoop("sync") as background:
+        yield background
+
+
+@pytest.fixture
 def model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1, bias=False))
 
 
-def test_push_follows_vllm_order_with_the_broadcast_during_update_weights(vllm, model):
+def test_push_follows_vllm_order_with_the_broadcast_during_update_weights(vllm, model, loop):
     nccl = FakeNccl(vllm)
-    sync = VllmNcclSync(vllm.url, master_port=29555, transport=nccl, control_timeout_s=5, transfer_timeout_s=10)
+    sync = VllmNcclSync(vllm.url, loop, master_port=29555, transport=nccl, control_timeout_s=5, transfer_timeout_s=10)
     sync.push(model, version=3)
     sync.dtype = torch.bfloat16  # a bf16 engine: the trainer's float32 weights are cast on the way
     sync.push(model, version=4)
@@ -122,8 +137,8 @@ def test_push_follows_vllm_order_with_the_broadcast_during_update_weights(vllm, 
 
 @pytest.mark.parametrize("route", ["/pause", "/start_weight_update", "/update_weights",
                                    "/finish_weight_update", "/reset_prefix_cache"])
-def test_a_failing_step_raises_a_clear_error_and_still_resumes(vllm, model, route):
-    sync = VllmNcclSync(vllm.url, transport=FakeNccl(vllm), control_timeout_s=5, transfer_timeout_s=3)
+def test_a_failing_step_raises_a_clear_error_and_still_resumes(vllm, model, route, loop):
+    sync = VllmNcclSync(vllm.url, loop, transport=FakeNccl(vllm), control_timeout_s=5, transfer_timeout_s=3)
     sync.init()
     vllm.calls.clear()
     vllm.fail[route] = 500
@@ -137,8 +152,8 @@ def test_a_failing_step_raises_a_clear_error_and_still_resumes(vllm, model, rout
         assert vllm.calls[-2:] == ["POST /finish_weight_update", "POST /resume"]
 
 
-def test_a_stuck_broadcast_times_out_instead_of_hanging_and_resumes(vllm, model):
-    sync = VllmNcclSync(vllm.url, transport=FakeNccl(vllm, stuck=True), control_timeout_s=5, transfer_timeout_s=1)
+def test_a_stuck_broadcast_times_out_instead_of_hanging_and_resumes(vllm, model, loop):
+    sync = VllmNcclSync(vllm.url, loop, transport=FakeNccl(vllm, stuck=True), control_timeout_s=5, transfer_timeout_s=1)
     sync._ready = True  # joined earlier
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="update_weights timed out after 1s"):
@@ -148,17 +163,17 @@ def test_a_stuck_broadcast_times_out_instead_of_hanging_and_resumes(vllm, model)
     sync.close()
 
 
-def test_a_hanging_control_route_times_out_and_resumes(vllm, model):
+def test_a_hanging_control_route_times_out_and_resumes(vllm, model, loop):
     vllm.hang.add("/reset_prefix_cache")
-    sync = VllmNcclSync(vllm.url, transport=FakeNccl(vllm), control_timeout_s=1, transfer_timeout_s=5)
+    sync = VllmNcclSync(vllm.url, loop, transport=FakeNccl(vllm), control_timeout_s=1, transfer_timeout_s=5)
     with pytest.raises(WeightSyncError, match="POST /reset_prefix_cache timed out after 1s"):
         sync.push(model, version=1)
     assert vllm.calls[-1] == "POST /resume"
     sync.close()
 
 
-def test_an_unreachable_server_is_named():
-    sync = VllmNcclSync(f"http://127.0.0.1:{free_port()}", transport=None, control_timeout_s=2)
+def test_an_unreachable_server_is_named(loop):
+    sync = VllmNcclSync(f"http://127.0.0.1:{free_port()}", loop, transport=None, control_timeout_s=2)
     with pytest.raises(WeightSyncError, match="GET /get_world_size failed: cannot reach"):
         sync.init()
     sync.close()
@@ -202,7 +217,7 @@ def test_in_process_sync_copies_the_weights_and_sets_the_version(tiny_model_dir,
         engine.close()
 
 
-def test_http_sync_updates_an_engine_in_another_server_and_leaves_it_serving(tiny_model_dir, trained_copy):
+def test_http_sync_updates_an_engine_in_another_server_and_leaves_it_serving(tiny_model_dir, trained_copy, loop):
     import urllib.request
 
     from harness_rl.engine import Engine, serve_in_thread
@@ -211,7 +226,7 @@ def test_http_sync_updates_an_engine_in_another_server_and_leaves_it_serving(tin
     engine = Engine.from_pretrained(tiny_model_dir)
     try:
         with serve_in_thread(engine) as server:
-            sync = HttpEngineSync(server.url, timeout_s=30)
+            sync = HttpEngineSync(server.url, loop, timeout_s=30)
             sync.push(trained_copy, version=3)
             sync.close()
             info = json.loads(urllib.request.urlopen(f"{server.url}/weight_info").read())
@@ -222,7 +237,7 @@ def test_http_sync_updates_an_engine_in_another_server_and_leaves_it_serving(tin
         engine.close()
 
 
-def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir):
+def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
     from transformers import AutoModelForCausalLM
 
     from harness_rl.engine import Engine, serve_in_thread
@@ -233,7 +248,7 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir):
     engine = Engine.from_pretrained(tiny_model_dir)
     try:
         with serve_in_thread(engine) as server:
-            sync = HttpEngineSync(server.url, timeout_s=30)
+            sync = HttpEngineSync(server.url, loop, timeout_s=30)
             with pytest.raises(WeightSyncError, match=r"POST /update_weights_from_bytes failed: HTTP 400: .*shape"):
                 sync.push(wrong, version=1)
             sync.close()
@@ -255,9 +270,9 @@ class RecordingSync:
         self.closed = True
 
 
-def test_proxy_gate_holds_agents_around_the_push_and_stamps_the_version(vllm, model):
+def test_proxy_gate_holds_agents_around_the_push_and_stamps_the_version(vllm, model, loop):
     inner = RecordingSync(vllm)
-    gate = ProxyGate(inner, vllm.url, admin_token="s3cret", timeout_s=5)
+    gate = ProxyGate(inner, ProxyClient(vllm.url, "s3cret", timeout_s=5), loop)
     gate.push(model, version=5)
     gate.close()
     assert vllm.calls == ["POST /admin/pause", "inner push 5", "POST /admin/policy_version", "POST /admin/resume"]
@@ -265,16 +280,16 @@ def test_proxy_gate_holds_agents_around_the_push_and_stamps_the_version(vllm, mo
     assert vllm.authorization == "Bearer s3cret" and inner.closed
 
 
-def test_proxy_gate_resumes_the_proxy_when_the_inner_sync_fails(vllm, model):
-    gate = ProxyGate(RecordingSync(vllm, WeightSyncError("POST /update_weights failed: HTTP 500")), vllm.url,
-                     admin_token="t", timeout_s=5)
+def test_proxy_gate_resumes_the_proxy_when_the_inner_sync_fails(vllm, model, loop):
+    gate = ProxyGate(RecordingSync(vllm, WeightSyncError("POST /update_weights failed: HTTP 500")),
+                     ProxyClient(vllm.url, "t", timeout_s=5), loop)
     with pytest.raises(WeightSyncError, match="update_weights failed"):
         gate.push(model, version=1)
     gate.close()
     assert vllm.calls == ["POST /admin/pause", "inner push 1", "POST /admin/resume"]
 
 
-def test_a_tied_output_head_is_sent_once_and_both_backends_accept_it(tiny_model_dir, tmp_path):
+def test_a_tied_output_head_is_sent_once_and_both_backends_accept_it(tiny_model_dir, tmp_path, loop):
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -302,7 +317,7 @@ def test_a_tied_output_head_is_sent_once_and_both_backends_accept_it(tiny_model_
                 InProcessSync(engine).push(model, version=1)
             else:
                 with serve_in_thread(engine) as server:
-                    sync = HttpEngineSync(server.url, timeout_s=30)
+                    sync = HttpEngineSync(server.url, loop, timeout_s=30)
                     sync.push(model, version=1)
                     sync.close()
             assert torch.equal(engine.model.lm_head.weight, model.lm_head.weight), backend
@@ -310,9 +325,9 @@ def test_a_tied_output_head_is_sent_once_and_both_backends_accept_it(tiny_model_
             engine.close()
 
 
-def test_a_world_size_answer_without_a_number_is_named(vllm, model):
+def test_a_world_size_answer_without_a_number_is_named(vllm, model, loop):
     vllm.fail["/get_world_size"] = 200  # answers {"error": ...} with status 200
-    sync = VllmNcclSync(vllm.url, transport=FakeNccl(vllm), control_timeout_s=5)
+    sync = VllmNcclSync(vllm.url, loop, transport=FakeNccl(vllm), control_timeout_s=5)
     with pytest.raises(WeightSyncError, match="GET /get_world_size answered"):
         sync.init()
     sync.close()

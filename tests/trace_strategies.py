@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness_rl.trace import ROLES, TrainingTrace, Turn
+from harness_rl.trace import ROLES, Reply, Request, Sampling, ToolCall, TrainingTrace, Turn
 
 token_ids = st.lists(st.integers(min_value=0, max_value=200_000), max_size=12)
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False, allow_infinity=False)
@@ -27,11 +27,7 @@ def traces(draw: st.DrawFn, max_turns: int = 8) -> TrainingTrace:
         if not prompt:
             prompt = [draw(st.integers(0, 200_000))]
         completion = draw(token_ids)
-        messages = (parent.request.get("messages", []) if parent else []) + draw(
-            st.lists(message, max_size=3))
-        request: dict = {"messages": messages}
-        if tools is not None:
-            request["tools"] = tools
+        messages = ((parent.request.messages or []) if parent else []) + draw(st.lists(message, max_size=3))
         turns.append(Turn(
             node_id=f"n{i:02d}{draw(st.text('abcdef0123456789', min_size=2, max_size=4))}",
             parent_id=parent.node_id if parent else None,
@@ -43,8 +39,15 @@ def traces(draw: st.DrawFn, max_turns: int = 8) -> TrainingTrace:
             policy_version=draw(st.one_of(st.none(), st.integers(0, 50))),
             finish_reason=draw(st.sampled_from([None, "stop", "length", "tool_calls"])),
             role=draw(st.sampled_from(ROLES)),
-            request=request,
-            response={"choices": [{"message": {"role": "assistant", "content": draw(st.text(max_size=10))}}]},
+            request=Request(messages=messages, tools=tools),
+            reply=draw(st.one_of(st.none(), st.builds(
+                Reply, content=st.one_of(st.none(), st.text(max_size=10)),
+                tool_calls=st.lists(st.builds(ToolCall, id=st.text(max_size=4), name=st.text(max_size=4),
+                                              arguments=st.text(max_size=8)), max_size=2)))),
+            sampling=draw(st.one_of(st.none(), st.builds(
+                Sampling, temperature=st.sampled_from([None, 0.7, 1.0]),
+                max_tokens=st.just(None) if len(completion) == 0 else st.integers(len(completion), 64)))),
+            delivered=draw(st.booleans()),
             metadata=draw(st.dictionaries(st.text("xyz", min_size=1, max_size=3), json_scalar, max_size=2)),
             started_at=draw(st.one_of(st.none(), st.floats(0, 2e9))),
             finished_at=draw(st.one_of(st.none(), st.floats(0, 2e9))),

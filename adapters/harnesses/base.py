@@ -157,11 +157,5 @@ def json_lines(text: str) -> Iterable[dict[str, Any]]:
 
 def tool_calls_in_trace(trace: TrainingTrace) -> dict[str, int]:
     """Tool calls by name the model made in a trace's agent turns (what the proxy recorded it answering)."""
-    counts: Counter[str] = Counter()
-    for turn in trace.turns:
-        if turn.role != "agent":
-            continue
-        for choice in turn.response.get("choices", []):
-            for call in (choice.get("message") or {}).get("tool_calls") or []:
-                counts[str((call.get("function") or {}).get("name", "?"))] += 1
-    return dict(counts)
+    return dict(Counter(call.name for turn in trace.turns if turn.role == "agent" and turn.reply is not None
+                        for call in turn.reply.tool_calls))

@@ -12,10 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from adapters.tasks import Task
+from adapters.tasks import Task
 
 Command = str | Sequence[str]
 """A shell string (run by `bash -c`) or an argv list (no shell, no quoting worries)."""

@@ -123,7 +123,8 @@ class E2BSandbox(Sandbox):
         except Exception as error:
             kind = type(error).__name__
             if kind == "CommandExitException":
-                exit_code, stdout, stderr = error.exit_code, error.stdout, error.stderr
+                failed: Any = error  # the SDK's CommandExitException carries the command's result
+                exit_code, stdout, stderr = failed.exit_code, failed.stdout, failed.stderr
             elif kind == "TimeoutException":
                 return ExecResult(None, "", str(error), timed_out=True, duration_s=time.monotonic() - started)
             else:

@@ -1,38 +1,44 @@
-"""`harness-rl serve proxy`: the intercept proxy in front of one engine (never imports torch)."""
+"""`harness-rl serve proxy`: the intercept proxy in front of one engine (never imports torch).
+
+Its flags are generated from `proxy.config.ProxyConfig`, the same settings a training run's `[proxy]`
+section holds.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+from harness_rl.flags import Flag, add_flags, flags_of
+from proxy.config import ProxyConfig
+
+DEFAULT_PORT = 8100
+ADMIN_TOKEN_ENV = "HARNESS_RL_ADMIN_TOKEN"
+_NAMES = {"--proxy-host": "--host", "--proxy-port": "--port"}
+FLAGS = [dataclasses.replace(f, name=_NAMES.get(f.name, f.name)) for f in flags_of(ProxyConfig, internal=True)]
+
+
+def _default_text(flag: Flag) -> str:
+    from harness_rl.flags import show
+
+    return str(DEFAULT_PORT) if flag.name == "--port" else show(flag.default)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "proxy", help="run the intercept proxy that records agents' model calls as training traces",
         description="Record every model call agents make (OpenAI Chat / Anthropic Messages) with the engine's exact "
-                    "token ids, behaviour logprobs and loss masks. Prints the URL and admin token on start.")
-    parser.add_argument("--upstream", required=True, help="engine base URL (vLLM or `harness-rl serve engine`)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8100, help="port to bind, 0 for any (default: %(default)s)")
-    parser.add_argument("--store", default="proxy-store", help="directory of session logs (default: %(default)s)")
-    parser.add_argument("--admin-token", default=os.environ.get("HARNESS_RL_PROXY_ADMIN_TOKEN"),
-                        help="control-API token (default: $HARNESS_RL_PROXY_ADMIN_TOKEN, else a random one)")
-    parser.add_argument("--advertise-url", help="base URL handed to agents (default: http://HOST:PORT)")
-    parser.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (default: %(default)s)")
-    parser.add_argument("--upstream-model", help="model name to ask the engine for (default: its first model)")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="pinned sampling temperature; negative passes the agent's through (default: %(default)s)")
-    parser.add_argument("--truncation", choices=("neutralise", "reject"), default="neutralise",
-                        help="what to do with top_p/top_k/min_p/penalties (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, help="cap on every request's max_tokens")
-    parser.add_argument("--max-turns", type=int, help="default step budget of a session")
-    parser.add_argument("--timeout", type=float, default=600.0, help="engine request timeout, s (default: %(default)s)")
-    parser.add_argument("--retries", type=int, default=3, help="engine retries on 429/5xx (default: %(default)s)")
-    parser.add_argument("--fsync", action="store_true", help="fsync every turn (survives power loss, slower)")
+                    "token ids, behaviour logprobs and loss masks. Prints its URL on start; the admin token comes "
+                    f"from --admin-token-file or ${ADMIN_TOKEN_ENV} (else a fresh one is written to the store).")
+    add_flags(parser, FLAGS, _default_text)
+    parser.add_argument("--admin-token-file", metavar="FILE",
+                        help=f"file holding the control-API token (default: ${ADMIN_TOKEN_ENV}, else a fresh token "
+                             "written to STORE/admin-token, mode 0600)")
     parser.set_defaults(run=run)
 
 
@@ -58,23 +64,49 @@ def _raise_open_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def _admin_token(args: argparse.Namespace, store: str) -> tuple[str, str]:
+    """The admin token and where it came from; a fresh one is written (0600) where only its owner reads it."""
+    import secrets
+    from pathlib import Path
+
+    if args.admin_token_file:
+        return Path(args.admin_token_file).read_text().strip(), args.admin_token_file
+    if os.environ.get(ADMIN_TOKEN_ENV):
+        return os.environ[ADMIN_TOKEN_ENV], f"${ADMIN_TOKEN_ENV}"
+    path = Path(store) / "admin-token"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
+    return token, str(path)
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import gc
     import signal
-    from pathlib import Path
 
-    from proxy.sampling import SamplingPolicy
-    from proxy.server import ProxyConfig, start_proxy
+    import msgspec
 
-    config = ProxyConfig(
-        upstream=args.upstream, host=args.host, port=args.port, store_dir=Path(args.store),
-        admin_token=args.admin_token, advertise_url=args.advertise_url, max_body_mb=args.max_body_mb,
-        sampling=SamplingPolicy(temperature=args.temperature if args.temperature >= 0 else None,
-                                truncation=args.truncation, max_tokens=args.max_tokens),
-        upstream_model=args.upstream_model, request_timeout_s=args.timeout, retries=args.retries,
-        fsync=args.fsync, default_max_turns=args.max_turns)
+    from harness_rl.config import ConfigError
+    from harness_rl.flags import collect, flag_for_path
+    from proxy.server import start_proxy
 
+    settings = {"port": DEFAULT_PORT, **collect(args, FLAGS)}
+    try:
+        config = msgspec.convert(settings, ProxyConfig)
+        if not config.upstream:
+            raise ConfigError("--upstream", "required: the engine's base URL (vLLM or `harness-rl serve engine`)")
+        token, source = _admin_token(args, config.store_dir)
+    except msgspec.ValidationError as exc:
+        text, _, where = str(exc).partition(" - at `")
+        print(f"harness-rl serve proxy: {flag_for_path(FLAGS, where.rstrip('`'))}: {text}", file=sys.stderr)
+        return 2
+    except (ConfigError, OSError) as exc:
+        print(f"harness-rl serve proxy: {exc}", file=sys.stderr)
+        return 2
+    config = msgspec.structs.replace(config, admin_token=token)
     _raise_open_file_limit()
 
     async def serve() -> None:
@@ -91,8 +123,7 @@ def run(args: argparse.Namespace) -> int:
         gc.set_threshold(gen0, gen1, 1000)
         sessions = len(running.proxy.registry.by_id)
         print(f"harness-rl proxy on {running.url} -> {config.upstream} (store {config.store_dir}, "
-              f"{sessions} sessions recovered)", flush=True)
-        print(f"admin token: {running.admin_token}", flush=True)
+              f"{sessions} sessions recovered; admin token from {source}, {token[:4]}…)", flush=True)
         await stop.wait()
         await running.stop()
         print("harness-rl proxy stopped", flush=True)

@@ -15,11 +15,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("traces", help="validate, show or export trace files")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    validate = actions.add_parser("validate", help="check files against the trace contract; exit 1 on any violation")
+    validate = actions.add_parser("validate", help="check trace files, OpenEnv JSON or proxy session logs against "
+                                                   "the trace contract; exit 1 on any violation")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
     validate.set_defaults(run=run_validate)
 
-    show = actions.add_parser("show", help="print each turn: role, parent, lengths and the trained spans")
+    show = actions.add_parser("show", help="print each turn: role, parent, lengths, prompt source and trained spans "
+                                           "(trace files, OpenEnv JSON, proxy session logs)")
     show.add_argument("file", type=Path, metavar="FILE")
     show.set_defaults(run=run_show)
 
@@ -30,14 +32,18 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _load(path: Path) -> TrainingTrace:
-    """Read a trace or exit with one line saying why it cannot be read."""
+    """Read a trace file, OpenEnv JSON or proxy session log, or exit with one line saying why it cannot be read."""
     try:
+        if path.suffix == ".jsonl":
+            from proxy.session import trace_from_log
+
+            return trace_from_log(path)
         return TrainingTrace.load(path)
     except FileNotFoundError:
         reason = "no such file"
     except IsADirectoryError:
         reason = "is a directory"
-    except (TraceFormatError, OSError) as exc:
+    except (TraceFormatError, OSError, ValueError) as exc:
         reason = str(exc)
     raise SystemExit(f"harness-rl: {path}: {reason}")
 
@@ -79,12 +85,16 @@ def run_show(args: argparse.Namespace) -> int:
     trained = sum(sum(t.completion_mask) for t in trace.turns if t.role == "agent")
     print(f"rollout {trace.rollout_id}: {len(trace.turns)} turns, {trained} trained tokens")
     print(f"{'#':>3}  {'node':<14} {'parent':<14} {'role':<9} {'ver':>4} {'prompt':>7} {'compl':>6}  "
-          f"{'finish':<10} trained completion positions")
+          f"{'finish':<10} {'source':<9} trained completion positions")
     for i, turn in enumerate(trace.turns):
         version = "-" if turn.policy_version is None else str(turn.policy_version)
         print(f"{i:>3}  {turn.node_id:<14} {turn.parent_id or '(root)':<14} {turn.role:<9} {version:>4} "
               f"{len(turn.prompt_token_ids):>7} {len(turn.completion_token_ids):>6}  "
-              f"{turn.finish_reason or '-':<10} {_format_spans(trained_spans(turn))}")
+              f"{turn.finish_reason or '-':<10} {turn.prompt_source or '-':<9} {_format_spans(trained_spans(turn))}")
+        if turn.prefix_break is not None:
+            brk = turn.prefix_break
+            print(f"{'':>5}prefix broke at token {brk.position}{f' of {brk.against}' if brk.against else ''}: "
+                  f"{brk.cause}")
     violations = trace.violations()
     if violations:
         print(f"{len(violations)} violations; run `harness-rl traces validate {args.file}`", file=sys.stderr)

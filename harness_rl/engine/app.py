@@ -121,19 +121,25 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": f"harness-rl-{__version__}"})
 
 
+def _forced(request: web.Request) -> ForcedCompletions:
+    forced = request.app[CONTEXT].forced
+    assert forced is not None, "the forced-completion routes exist only when forced completions are enabled"
+    return forced
+
+
 async def forced_add(request: web.Request) -> web.Response:
     script = decode_body(await request.read(), ForcedScript)
-    forced = request.app[CONTEXT].forced
+    forced = _forced(request)
     forced.extend(script.tools, script.no_tools)
     return web.json_response(forced.remaining())
 
 
 async def forced_show(request: web.Request) -> web.Response:
-    return web.json_response(request.app[CONTEXT].forced.remaining())
+    return web.json_response(_forced(request).remaining())
 
 
 async def forced_clear(request: web.Request) -> web.Response:
-    forced = request.app[CONTEXT].forced
+    forced = _forced(request)
     forced.clear()
     return web.json_response(forced.remaining())
 

@@ -34,9 +34,9 @@ class RunningBatch:
         old_len = self.mask.shape[1]
         width = max(old_len, new_len)
         layers = []
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
-            values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        for (old_keys, old_values), (new_keys, new_values) in zip(cache_kv(self.cache), cache_kv(cache), strict=True):
+            keys = torch.cat([_left_pad(old_keys, width), _left_pad(new_keys, width)])
+            values = torch.cat([_left_pad(old_values, width), _left_pad(new_values, width)])
             layers.append((keys, values))
         self.cache = DynamicCache(layers)
         new_mask = torch.ones(1, new_len, dtype=torch.long)
@@ -63,8 +63,8 @@ class RunningBatch:
         """A copy of one row's keys and values without padding (for the prefix cache)."""
         length = self.lengths[row]
         return [
-            (layer.keys[row : row + 1, :, -length:].clone(), layer.values[row : row + 1, :, -length:].clone())
-            for layer in self.cache.layers
+            (keys[row : row + 1, :, -length:].clone(), values[row : row + 1, :, -length:].clone())
+            for keys, values in cache_kv(self.cache)
         ]
 
     def keep(self, keep: list[bool]) -> None:
@@ -81,8 +81,20 @@ class RunningBatch:
         first = int(mask.any(dim=0).long().argmax())
         self.mask = mask[:, first:]
         self.cache = DynamicCache(
-            [(layer.keys[indices, :, first:], layer.values[indices, :, first:]) for layer in self.cache.layers]
+            [(keys[indices, :, first:], values[indices, :, first:]) for keys, values in cache_kv(self.cache)]
         )
+
+
+def cache_kv(cache: DynamicCache | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention layer's (keys, values) of a filled cache (the engine serves attention-only models)."""
+    if cache is None:
+        return []
+    out = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor), "an empty or non-KV cache layer"
+        out.append((keys, values))
+    return out
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -134,7 +134,7 @@ async def _respond(
     with_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     produced, text_length, update = 0, 0, first
     while True:
-        choice: dict[str, Any] = {
+        chunk_choice: dict[str, Any] = {
             "index": 0,
             "text": update.text,
             "logprobs": _logprobs_block(ctx, update.tokens, text_length, as_ids) if body.logprobs is not None else None,
@@ -145,7 +145,7 @@ async def _respond(
         }
         produced += len(update.tokens)
         text_length += len(update.text)
-        chunk = {**header, "choices": [choice]}
+        chunk = {**header, "choices": [chunk_choice]}
         final = update.finish_reason is not None
         if final and not with_usage:
             chunk["system_fingerprint"] = SYSTEM_FINGERPRINT

@@ -10,10 +10,12 @@ them, `POST /update_weights_from_bytes?version=N` takes a raw safetensors body.
 """
 
 import asyncio
+from pathlib import Path
+from typing import cast
 
 from aiohttp import web
 
-from harness_rl.engine.engine import PAUSE_MODES
+from harness_rl.engine.engine import PAUSE_MODES, PauseMode
 from harness_rl.engine.errors import ApiError
 from harness_rl.engine.protocol import UpdateWeightsFromDisk, decode_body
 from harness_rl.engine.server_context import CONTEXT
@@ -25,7 +27,7 @@ async def pause(request: web.Request) -> web.Response:
     if mode not in PAUSE_MODES:
         raise ApiError(400, f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}.", param="mode")
     engine = request.app[CONTEXT].engine
-    await engine.pause(mode)
+    await engine.pause(cast(PauseMode, mode))
     if request.query.get("clear_cache", "false").lower() in ("1", "true"):
         engine.reset_prefix_cache()
     return web.json_response({"status": "paused"})
@@ -60,7 +62,7 @@ async def _load(request: web.Request, read, version: int) -> web.Response:
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), UpdateWeightsFromDisk)
-    return await _load(request, lambda: read_safetensors_path(body.path), body.version)
+    return await _load(request, lambda: read_safetensors_path(Path(body.path)), body.version)
 
 
 async def update_weights_from_bytes(request: web.Request) -> web.Response:

@@ -10,15 +10,15 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from transformers import DynamicCache
 
-from harness_rl.engine.batch import RunningBatch
+from harness_rl.engine.batch import RunningBatch, cache_kv
 from harness_rl.engine.generation import (
     Generation,
     GenerationUpdate,
@@ -69,8 +69,9 @@ class Engine:
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
-        self.model = model.eval()
+        self.model: Any = cast(Any, model).eval()
         self.tokenizer = tokenizer
+        self._vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.served_model_name = served_model_name
         limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(max_model_len, limit)
@@ -142,7 +143,7 @@ class Engine:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, forced_ids: list[int] | None = None
-    ) -> AsyncIterator[GenerationUpdate]:
+    ) -> AsyncGenerator[GenerationUpdate, None]:
         """Yield updates (one per sampled token) until the request finishes.
 
         `forced_ids` makes the completion those ids (teacher forcing) while every logprob is still
@@ -236,7 +237,7 @@ class Engine:
                 if self._closed:
                     self._fail_all()
                     return
-                admitted = []
+                admitted: list[Generation] = []
                 while self._admissible() and len(self._batch) + len(admitted) < self.max_batch_size:
                     admitted.append(self._waiting.popleft())
                 self._active = [*self._batch.generations, *admitted]
@@ -276,7 +277,7 @@ class Engine:
         hit = None if scoring else self.prefix_cache.lookup(prompt, min_length=(len(prompt) + 1) // 2)
         cache = DynamicCache(hit.layers) if hit else DynamicCache()
         if scoring:
-            start, step = 0, max(1, PROMPT_LOGITS_BUDGET // self.model.config.get_text_config().vocab_size)
+            start, step = 0, max(1, PROMPT_LOGITS_BUDGET // self._vocab_size)
         else:
             start, step = (hit.length, PREFILL_CHUNK) if hit else (0, len(prompt))
         scored: list[PromptLogprob] = []
@@ -288,8 +289,9 @@ class Engine:
                 logits_to_keep=0 if scoring else 1,
             )
             if scoring:
-                scored += score_prompt(out.logits[0], prompt[begin + 1 : begin + step + 1], gen.params.prompt_logprobs)
-        self.prefix_cache.store(prompt, [(layer.keys, layer.values) for layer in cache.layers])
+                top = gen.params.prompt_logprobs or 0
+                scored += score_prompt(out.logits[0], prompt[begin + 1 : begin + step + 1], top)
+        self.prefix_cache.store(prompt, cache_kv(cache))
         update = self._next_token(gen, out.logits[0, -1])
         if scoring:
             update = replace(update, prompt_logprobs=tuple(scored))

@@ -51,8 +51,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """`(content, tool_calls)` when `text` holds calls that all parse, else None (plain content)."""
     if START not in text:
         return None
-    calls = [_parse_call(body) for body in _call_bodies(text)]
-    if not calls or any(call is None for call in calls):
+    parsed = [_parse_call(body) for body in _call_bodies(text)]
+    calls = [call for call in parsed if call is not None]
+    if not calls or len(calls) != len(parsed):
         return None
     content = text[: text.find(START)]
     return (content or None), calls

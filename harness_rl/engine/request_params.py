@@ -13,7 +13,7 @@ def check_model(requested: str | None, served: str) -> None:
 
 # Sampling knobs vLLM honours but this engine does not, with their neutral values. A non-neutral value
 # is refused rather than ignored: ignoring it would make the returned logprobs silently wrong.
-_NEUTRAL = {
+_NEUTRAL: dict[str, tuple[object, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),

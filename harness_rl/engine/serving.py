@@ -2,30 +2,28 @@
 
 import asyncio
 import signal
-import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from harness_rl.background import BackgroundLoop
 from harness_rl.engine.app import create_app
 from harness_rl.engine.engine import Engine
 
 
 @dataclass
 class ServerHandle:
-    """A server running on its own event loop in a daemon thread; `stop()` shuts it down."""
+    """A server running on its own `BackgroundLoop`; `stop()` shuts it down."""
 
     url: str
-    _loop: asyncio.AbstractEventLoop = field(repr=False)
+    _loop: BackgroundLoop = field(repr=False)
     _runner: web.AppRunner = field(repr=False)
-    _thread: threading.Thread = field(repr=False)
 
     def stop(self) -> None:
-        if not self._thread.is_alive():
+        if not self._loop.alive:
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        self._loop.run(self._runner.cleanup(), timeout=30)
+        self._loop.close()
 
     def __enter__(self) -> "ServerHandle":
         return self
@@ -37,33 +35,21 @@ class ServerHandle:
 def serve_in_thread(
     engine: Engine, host: str = "127.0.0.1", port: int = 0, *, forced_completions: bool = False
 ) -> ServerHandle:
-    """Serve `engine` on `host:port` (0 = a free port) from a background thread."""
-    loop = asyncio.new_event_loop()
+    """Serve `engine` on `host:port` (0 = a free port) from a background loop."""
+    loop = BackgroundLoop("engine-server")
     runner = web.AppRunner(create_app(engine, forced_completions=forced_completions), handle_signals=False)
-    ready = threading.Event()
-    bound: dict[str, object] = {}
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, host, port)
-            loop.run_until_complete(site.start())
-            bound["port"] = site._server.sockets[0].getsockname()[1]
-        except BaseException as error:
-            bound["error"] = error
-            ready.set()
-            return
-        ready.set()
-        loop.run_forever()
+    async def start() -> int:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        return int(runner.addresses[0][1])
+
+    try:
+        bound = loop.run(start(), timeout=60)
+    except BaseException:
         loop.close()
-
-    thread = threading.Thread(target=run, name="engine-server", daemon=True)
-    thread.start()
-    ready.wait(timeout=60)
-    if "error" in bound:
-        raise bound["error"]  # type: ignore[misc]
-    return ServerHandle(f"http://{host}:{bound['port']}", loop, runner, thread)
+        raise
+    return ServerHandle(f"http://{host}:{bound}", loop, runner)
 
 
 def serve_forever(app: web.Application, host: str, port: int) -> None:

@@ -1,0 +1,139 @@
+"""Command-line flags generated from a configuration Struct, so a setting is declared exactly once.
+
+Every leaf field of the Struct (nested Structs are walked) becomes `--field-name`, its help is the
+field's description followed by its default, its type and constraints come from the annotation, and
+parsed values land back at the field's path. A field's `Meta(extra={"flag": ...})` renames its flag
+(`"--proxy-port"`) or hides it (`None`). Optional fields accept the word `none`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+
+NONE_WORD = "none"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One generated flag: where its value goes in the configuration and how it is parsed."""
+
+    name: str  # "--num-generations"
+    path: tuple[str, ...]  # ("rollouts", "num_generations")
+    description: str
+    type: mi.Type
+    optional: bool
+    default: Any
+
+    @property
+    def dest(self) -> str:
+        return "cfg__" + "__".join(self.path)
+
+
+def flags_of(struct: type[msgspec.Struct], *, internal: bool = False) -> list[Flag]:
+    """Every flag of a configuration Struct, in field order (nested Structs inline).
+
+    Fields marked `internal` (set by whoever starts that component) get flags only when asked for:
+    `serve proxy` exposes the proxy's upstream and store, `train` sets them itself.
+    """
+    return list(_walk(mi.type_info(struct), (), internal))
+
+
+def _walk(info: mi.Type, path: tuple[str, ...], internal: bool) -> Iterator[Flag]:
+    assert isinstance(info, mi.StructType)
+    for field in info.fields:
+        kind, meta = field.type, {}
+        if isinstance(kind, mi.Metadata):
+            meta = {"description": (kind.extra_json_schema or {}).get("description", ""), **(kind.extra or {})}
+            kind = kind.type
+        if isinstance(kind, mi.StructType):
+            yield from _walk(kind, (*path, field.name), internal)
+            continue
+        flag = meta.get("flag", "")
+        if flag is None or isinstance(kind, mi.DictType) or (meta.get("internal") and not internal):
+            continue
+        optional = isinstance(kind, mi.UnionType) and any(isinstance(t, mi.NoneType) for t in kind.types)
+        if optional:
+            assert isinstance(kind, mi.UnionType)
+            kind = next(t for t in kind.types if not isinstance(t, mi.NoneType))
+        default = field.default if field.default is not mi.NODEFAULT else (
+            field.default_factory() if field.default_factory is not mi.NODEFAULT else None)
+        yield Flag(flag or "--" + field.name.replace("_", "-"), (*path, field.name),
+                   str(meta.get("description", "")), kind, optional, default)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
+              default_text: Callable[[Flag], str] | None = None) -> None:
+    """Add each flag to `parser`; values not given stay absent from the namespace (argparse.SUPPRESS)."""
+    for flag in flags:
+        shown = default_text(flag) if default_text else show(flag.default)
+        help_text = f"{flag.description} (default: {shown})" if flag.description else f"(default: {shown})"
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": help_text,
+                                  "metavar": flag.path[-1].upper()}
+        if isinstance(flag.type, mi.BoolType):
+            del kwargs["metavar"]
+            parser.add_argument(flag.name, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if isinstance(flag.type, mi.LiteralType):
+            kwargs["choices"] = [*flag.type.values, *([NONE_WORD] if flag.optional else [])]
+            kwargs["metavar"] = "{" + ",".join(map(str, kwargs["choices"])) + "}"
+        parser.add_argument(flag.name, type=_parser(flag), **kwargs)
+
+
+def _parser(flag: Flag) -> Callable[[str], Any]:
+    base: Callable[[str], Any]
+    if isinstance(flag.type, mi.IntType):
+        base = int
+    elif isinstance(flag.type, mi.FloatType):
+        base = float
+    else:
+        base = str
+
+    def parse(text: str) -> Any:
+        if flag.optional and text.lower() == NONE_WORD:
+            return None
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def collect(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, Any]:
+    """The flags given on the command line, as a nested dict keyed by field names."""
+    out: dict[str, Any] = {}
+    given = vars(namespace)
+    for flag in flags:
+        if flag.dest in given:
+            node = out
+            for key in flag.path[:-1]:
+                node = node.setdefault(key, {})
+            node[flag.path[-1]] = given[flag.dest]
+    return out
+
+
+def show(value: Any) -> str:
+    """A default as the user would type it."""
+    if value is None:
+        return NONE_WORD
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str) and not value:
+        return "(required)"
+    return str(value)
+
+
+def flag_for_path(flags: list[Flag], path: str) -> str:
+    """The flag that sets a msgspec error path (`$.rollouts.num_generations`), or the path itself."""
+    dotted = path.removeprefix("$.").split("[")[0]
+    for flag in flags:
+        if ".".join(flag.path) == dotted:
+            return flag.name
+    return dotted

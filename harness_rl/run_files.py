@@ -1,0 +1,76 @@
+"""What a run leaves on disk besides metrics and checkpoints: every finished rollout, and its trace.
+
+`<run>/rollouts.jsonl` gets one `RolloutRecord` per rollout the learner consumed (its step, group,
+reward, advantage and how the agent ended); `<run>/traces/<rollout_id>.json` holds its trace (the
+delta form, readable with `TrainingTrace.load` and `harness-rl traces`), with the reward and outcome
+in the trace's metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from harness_rl.outcome import RolloutGroup, RolloutOutcome
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+TRACES_DIR = "traces"
+
+
+class RolloutRecord(msgspec.Struct, kw_only=True):
+    step: int
+    group_id: int
+    rollout_id: str
+    task: str
+    harness: str
+    reward: float | None
+    env_reward: float | None
+    advantage: float | None
+    error: str | None
+    timed_out: bool
+    exit_code: int | None
+    tool_call_count: int
+    turns: int
+    duration_s: float
+    trace: str | None  # relative to the run directory
+
+
+class RunFiles:
+    """Appends each consumed group's rollouts to the run directory."""
+
+    def __init__(self, run_dir: Path, harness: str) -> None:
+        self.run_dir = run_dir
+        self.harness = harness
+        (run_dir / TRACES_DIR).mkdir(parents=True, exist_ok=True)
+        self._records = (run_dir / ROLLOUTS_FILE).open("ab")
+
+    def write(self, step: int, groups: Sequence[RolloutGroup]) -> None:
+        from harness_rl.grpo import group_advantages
+
+        for group in groups:
+            advantages = group_advantages([o.reward for o in group.outcomes]) or [None] * len(group.outcomes)
+            for outcome, advantage in zip(group.outcomes, advantages, strict=True):
+                self._records.write(msgspec.json.encode(self._record(step, group, outcome, advantage)) + b"\n")
+        self._records.flush()
+
+    def _record(self, step: int, group: RolloutGroup, outcome: RolloutOutcome,
+                advantage: float | None) -> RolloutRecord:
+        trace_path = None
+        if outcome.trace is not None:
+            trace = outcome.trace
+            trace.metadata.update({"task": outcome.task, "group_id": group.group_id, "harness": self.harness,
+                                   "reward": outcome.reward, "env_reward": outcome.env_reward,
+                                   "advantage": advantage, "error": outcome.error, "step": step})
+            trace_path = f"{TRACES_DIR}/{outcome.rollout_id}.json"
+            trace.save(self.run_dir / trace_path)
+        return RolloutRecord(
+            step=step, group_id=group.group_id, rollout_id=outcome.rollout_id, task=outcome.task, harness=self.harness,
+            reward=outcome.reward, env_reward=outcome.env_reward, advantage=advantage, error=outcome.error,
+            timed_out=outcome.timed_out, exit_code=outcome.exit_code, tool_call_count=outcome.tool_call_count,
+            turns=len(outcome.trace.turns) if outcome.trace else 0, duration_s=round(outcome.duration_s, 3),
+            trace=trace_path)
+
+    def close(self) -> None:
+        self._records.close()

@@ -1,0 +1,69 @@
+"""The control API's requests and replies, shared by the server (`control_routes`) and `ProxyClient`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+
+class SessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    metadata: dict[str, Any] = {}
+    max_turns: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_tokens_per_turn: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class SessionInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What an agent needs to reach its capture session."""
+
+    id: str
+    key: str
+    openai_base_url: str
+    anthropic_base_url: str
+
+
+class SessionSummary(msgspec.Struct, kw_only=True):
+    id: str
+    created_at: float
+    closed: bool
+    turns: int
+    calls: int
+    budget_stops: int
+    max_turns: int | None
+    max_tokens_per_turn: int | None
+    metadata: dict[str, Any]
+
+
+class SessionList(msgspec.Struct):
+    sessions: list[SessionSummary]
+
+
+class Deleted(msgspec.Struct):
+    deleted: str
+
+
+class Paused(msgspec.Struct):
+    paused: bool
+    in_flight: int = 0
+
+
+class PolicyVersion(msgspec.Struct, forbid_unknown_fields=True):
+    version: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: str
+    sessions: int
+    paused: bool
+    in_flight: int
+    policy_version: int | None
+    upstream: str
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str = "api_error"
+
+
+class ErrorReply(msgspec.Struct):
+    error: ErrorDetail
