@@ -75,13 +75,15 @@ class ScriptedLLM:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[Recorded] = []
+        self.edits_sent = 0
         self.log_to_stdout = False
 
     # -- choosing the answer ----------------------------------------------------------------
 
-    def reply_for(self, has_tools: bool, tool_results: int, assistant_turns: int) -> Reply:
-        if self.script.edit is not None:
-            return Reply(text=self.script.edit if assistant_turns == 0 else self.script.final_text)
+    def reply_for(self, has_tools: bool, tool_results: int) -> Reply:
+        if self.script.edit is not None:  # tool-less agents show example turns: count our own answers
+            self.edits_sent += 1
+            return Reply(text=self.script.edit if self.edits_sent == 1 else self.script.final_text)
         if not has_tools:
             return Reply(text=self.script.aux_text)
         if tool_results == 0:
@@ -132,8 +134,7 @@ class ScriptedLLM:
 
     async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         messages = body.get("messages") or []
-        reply = self.reply_for(bool(body.get("tools")), sum(m.get("role") == "tool" for m in messages),
-                               sum(m.get("role") == "assistant" for m in messages))
+        reply = self.reply_for(bool(body.get("tools")), sum(m.get("role") == "tool" for m in messages))
         message: dict[str, Any] = {"role": "assistant", "content": reply.text}
         finish = "stop"
         if reply.tool:
@@ -162,8 +163,7 @@ class ScriptedLLM:
         items = body.get("input") if isinstance(body.get("input"), list) else []
         kinds = [item.get("type") or ("message" if "role" in item else None) for item in items]
         reply = self.reply_for(bool(body.get("tools")),
-                               sum(kind in ("function_call_output", "custom_tool_call_output") for kind in kinds),
-                               sum(item.get("role") == "assistant" for item in items))
+                               sum(kind in ("function_call_output", "custom_tool_call_output") for kind in kinds))
         response_id = f"resp_{uuid.uuid4().hex[:16]}"
         if reply.tool:
             item: dict[str, Any] = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:12]}",
@@ -218,8 +218,7 @@ class ScriptedLLM:
         contents = body.get("contents") or []
         parts = [part for content in contents for part in content.get("parts") or []]
         declared = any(tool.get("functionDeclarations") for tool in body.get("tools") or [])
-        reply = self.reply_for(declared, sum("functionResponse" in part for part in parts),
-                               sum(content.get("role") == "model" for content in contents))
+        reply = self.reply_for(declared, sum("functionResponse" in part for part in parts))
         answer = ({"functionCall": {"name": reply.tool, "args": reply.arguments}} if reply.tool
                   else {"text": reply.text or ""})
         chunk = {"candidates": [{"content": {"role": "model", "parts": [answer]}, "finishReason": "STOP",

@@ -7,7 +7,7 @@ from typing import Any
 
 # (flag, setting, type, help); every setting also has a name in `--config FILE` (TOML or JSON).
 FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--harness", "harness", str, "agent CLI, by Harbor's name: echo (default), opencode, claude-code, mini-swe-agent, codex, gemini-cli, qwen-coder, pi, aider (see harness-rl harnesses)"),
+    ("--harness", "harness", str, "agent CLI by Harbor's name: echo (default), codex, … (harness-rl harnesses)"),
     ("--tasks", "tasks", str, "a Harbor task dir, a dir of them, or hf://<dataset repo> (default: the digits demo)"),
     ("--model", "model", str, "tiny (default, built offline), a local model dir, or a hub id with --engine URL"),
     ("--engine", "engine", str, "embedded (default) or the URL of a running engine (vLLM or harness-rl)"),
