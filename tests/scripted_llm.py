@@ -160,7 +160,7 @@ class ScriptedLLM:
     # -- OpenAI Responses ----------------------------------------------------------------------
 
     async def responses(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        items = body.get("input") if isinstance(body.get("input"), list) else []
+        items: list[Any] = body["input"] if isinstance(body.get("input"), list) else []
         kinds = [item.get("type") or ("message" if "role" in item else None) for item in items]
         reply = self.reply_for(bool(body.get("tools")),
                                sum(kind in ("function_call_output", "custom_tool_call_output") for kind in kinds))

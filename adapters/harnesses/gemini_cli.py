@@ -53,12 +53,13 @@ class GeminiCliHarness(Harness):
         """`stream-json`: `tool_use` events name the tools, `tool_result` events with status `error`
         are failures, and the assistant's text after the last tool is the final answer."""
         calls: Counter[str] = Counter()
-        failures, texts = 0, []
+        texts: list[str] = []
+        failures = 0
         for event in json_lines(result.stdout):
             kind = event.get("type")
             if kind == "tool_use":
                 calls[str(event.get("tool_name", "?"))] += 1
-                texts = []
+                texts.clear()
             elif kind == "tool_result" and event.get("status") == "error":
                 failures += 1
             elif kind == "message" and event.get("role") == "assistant" and isinstance(event.get("content"), str):

@@ -36,6 +36,7 @@ from adapters.harnesses.base import (
 )
 from adapters.sandboxes.base import ExecResult, Sandbox
 
+PACKAGE = Package("npm", "opencode-ai", "1.18.33", "opencode")
 PROVIDER_ID = "harness-rl"
 DISABLED_TOOLS = ("task", "question", "webfetch")
 
@@ -43,7 +44,7 @@ DISABLED_TOOLS = ("task", "question", "webfetch")
 class OpencodeHarness(Harness):
     name = "opencode"
     dialect = "openai-chat"
-    package = Package("npm", "opencode-ai", "1.18.33", "opencode")
+    package = PACKAGE
 
     def __init__(self, context_tokens: int = 65536, output_tokens: int = 8192) -> None:
         self.context_tokens = context_tokens
@@ -58,7 +59,7 @@ class OpencodeHarness(Harness):
         warm = shlex.quote(self.warm_dir(sandbox))
         await install_locked(sandbox, "opencode's plugin cache", (
             f"mkdir -p {warm} && {{ test -d {warm}/node_modules/@opencode-ai/plugin || "
-            f"{NPM_INSTALL} --prefix {warm} --save-exact @opencode-ai/plugin@{self.package.version}; }}"))
+            f"{NPM_INSTALL} --prefix {warm} --save-exact @opencode-ai/plugin@{PACKAGE.version}; }}"))
 
     def config(self, endpoint: Endpoint) -> dict:
         model = f"{PROVIDER_ID}/{endpoint.model}"

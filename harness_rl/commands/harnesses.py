@@ -18,7 +18,7 @@ def rows(tools_dir: Path) -> list[tuple[str, str, str, str, str]]:
     """(name, dialect, package, pinned version, installed) per harness, in registry order."""
     from adapters.harnesses import HARNESSES
 
-    table = []
+    table: list[tuple[str, str, str, str, str]] = []
     for name, harness in HARNESSES.items():
         package = harness.package
         if package is None:
