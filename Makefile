@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0" -e ".[train,dev]"
 	touch $(STAMP)
 
-# The real agent CLIs (opencode, Claude Code from npm) and bubblewrap, for the end-to-end tests.
-$(TOOLS): scripts/install_agents.sh
+# The real agent CLIs at the versions the adapters pin (npm, PyPI venvs) and bubblewrap, for the end-to-end tests.
+$(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py)
 	bash scripts/install_agents.sh
 	touch $(TOOLS)
 

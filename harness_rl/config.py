@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    harness: Annotated[str, setting("agent CLI that runs each rollout (`harness-rl train --help` lists them)")] \
+    harness: Annotated[str, setting("agent CLI that runs each rollout (`harness-rl harnesses` lists them)")] \
         = "opencode"
     tasks: Annotated[str, setting("a Harbor task dir, a dir of them, or hf://<dataset repo>")] = ""
     sandbox: Annotated[Literal["local", "e2b", "harbor"], setting("where each rollout runs")] = "local"

@@ -1,30 +1,48 @@
 #!/usr/bin/env bash
-# Install the real agent CLIs harness-rl drives, once: opencode and Claude Code from npm into
-# .tools/npm (gitignored; $HARNESS_RL_TOOLS_DIR moves .tools, as it does for the local sandbox), a
-# warmed opencode plugin cache, and bubblewrap from apt when missing and running as root.
-# Idempotent: every step checks first and does nothing when its tool is already there.
+# Install the real agent CLIs harness-rl drives, once, at the versions the adapters pin
+# (`python -m adapters.harnesses --pins`, the one source of truth): npm packages into .tools/npm,
+# PyPI packages with their own virtualenv into .tools/<venv> (gitignored; $HARNESS_RL_TOOLS_DIR
+# moves .tools, as it does for the local sandbox), a warmed opencode plugin cache, and bubblewrap
+# from apt when missing and running as root. Packages that live in the project's own Python
+# (mini-swe-agent) come with its dev extra. Idempotent: each step checks first.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${HARNESS_RL_TOOLS_DIR:-$ROOT/.tools}"
 PREFIX="$TOOLS/npm"
-OPENCODE_VERSION="1.18.33"
-CLAUDE_CODE_VERSION="2.1.197"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+[[ -x "$PYTHON" ]] || PYTHON=python3
 
-installed_version() {  # installed_version <package> -> version or nothing
+npm_version() {  # npm_version <package> -> installed version or nothing
     local manifest="$PREFIX/node_modules/$1/package.json"
     [[ -f "$manifest" ]] && node -p "require('$manifest').version" 2>/dev/null || true
 }
 
+venv_version() {  # venv_version <venv dir> <package> -> installed version or nothing
+    [[ -x "$1/bin/python" ]] && "$1/bin/python" -m pip show "$2" 2>/dev/null | sed -n 's/^Version: //p' || true
+}
+
 if ! command -v npm >/dev/null 2>&1; then
-    echo "install_agents: npm not found; install Node.js >= 20 to use opencode and Claude Code" >&2
+    echo "install_agents: npm not found; install Node.js >= 20 to use the npm agent CLIs" >&2
     exit 1
 fi
 
+pins="$(cd "$ROOT" && "$PYTHON" -m adapters.harnesses --pins)"
 wanted=()
-[[ "$(installed_version opencode-ai)" == "$OPENCODE_VERSION" ]] || wanted+=("opencode-ai@$OPENCODE_VERSION")
-[[ "$(installed_version @anthropic-ai/claude-code)" == "$CLAUDE_CODE_VERSION" ]] \
-    || wanted+=("@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION")
+opencode_version=""
+while read -r harness registry package version binary venv; do
+    if [[ "$registry" == npm ]]; then
+        [[ "$harness" == opencode ]] && opencode_version="$version"
+        [[ "$(npm_version "$package")" == "$version" ]] || wanted+=("$package@$version")
+    elif [[ "$registry" == pypi && "$venv" != - ]]; then
+        if [[ "$(venv_version "$TOOLS/$venv" "$package")" != "$version" ]]; then
+            echo "install_agents: pip install $package==$version into $TOOLS/$venv ($harness)"
+            python3 -m venv --clear "$TOOLS/$venv"
+            "$TOOLS/$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$package==$version"
+        fi
+    fi
+done <<< "$pins"
+
 if (( ${#wanted[@]} )); then
     mkdir -p "$PREFIX"
     echo "install_agents: npm install ${wanted[*]} into $PREFIX"
@@ -34,10 +52,10 @@ fi
 # opencode installs its plugin package into its config dir from the registry on first run; warm one
 # shared copy that every isolated run links in (adapters/harnesses/opencode.py).
 WARM="$TOOLS/opencode-warm"
-if [[ ! -d "$WARM/node_modules/@opencode-ai/plugin" ]]; then
+if [[ -n "$opencode_version" && ! -d "$WARM/node_modules/@opencode-ai/plugin" ]]; then
     mkdir -p "$WARM"
     echo "install_agents: warming opencode's plugin cache in $WARM"
-    npm install --prefix "$WARM" --save-exact --no-audit --no-fund --loglevel=error "@opencode-ai/plugin@$OPENCODE_VERSION"
+    npm install --prefix "$WARM" --save-exact --no-audit --no-fund --loglevel=error "@opencode-ai/plugin@$opencode_version"
 fi
 
 if ! command -v bwrap >/dev/null 2>&1; then
@@ -50,4 +68,5 @@ if ! command -v bwrap >/dev/null 2>&1; then
     fi
 fi
 
-echo "install_agents: opencode $(installed_version opencode-ai), claude-code $(installed_version @anthropic-ai/claude-code), bwrap $(command -v bwrap || echo missing)"
+(cd "$ROOT" && "$PYTHON" -m harness_rl.cli harnesses --tools-dir "$TOOLS") || true
+echo "install_agents: bwrap $(command -v bwrap || echo missing)"

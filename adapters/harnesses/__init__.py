@@ -1,35 +1,47 @@
-"""Harness adapters: how to run each agent CLI against one proxy session."""
+"""Harness adapters: how to run each agent CLI against one proxy session, under Harbor's agent names."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from adapters.harnesses.base import AgentRun, Endpoint, Harness, Launch, ToolReport, tool_calls_in_trace
+from adapters.harnesses.aider import AiderHarness
+from adapters.harnesses.base import (
+    AgentRun,
+    Dialect,
+    Endpoint,
+    Harness,
+    Launch,
+    Package,
+    ToolReport,
+    tool_calls_in_trace,
+)
+from adapters.harnesses.claude_code import ClaudeCodeHarness
+from adapters.harnesses.codex import CodexHarness
+from adapters.harnesses.echo import EchoHarness
+from adapters.harnesses.gemini_cli import GeminiCliHarness
+from adapters.harnesses.mini_swe_agent import MiniSweAgentHarness
+from adapters.harnesses.opencode import OpencodeHarness
+from adapters.harnesses.pi import PiHarness
+from adapters.harnesses.qwen_code import QwenCodeHarness
 
-HARNESS_NAMES = ("echo", "opencode", "claude-code", "mini-swe-agent")
+HARNESSES: dict[str, type[Harness]] = {harness.name: harness for harness in (
+    EchoHarness, OpencodeHarness, ClaudeCodeHarness, MiniSweAgentHarness, CodexHarness, GeminiCliHarness,
+    QwenCodeHarness, PiHarness, AiderHarness)}
+HARNESS_NAMES = tuple(HARNESSES)
+
+
+def harness_class(name: str) -> type[Harness]:
+    """The adapter class for a Harbor agent name (`claude_code`-style spellings accepted too)."""
+    try:
+        return HARNESSES[name.replace("_", "-")]
+    except KeyError:
+        raise ValueError(f"unknown harness {name!r}; choose one of {', '.join(HARNESS_NAMES)}") from None
 
 
 def create_harness(name: str, **options: Any) -> Harness:
-    """The adapter for a harness name (`claude_code` and `mini_swe_agent` spellings accepted too)."""
-    name = name.replace("_", "-")
-    if name == "echo":
-        from adapters.harnesses.echo import EchoHarness
-
-        return EchoHarness(**options)
-    if name == "opencode":
-        from adapters.harnesses.opencode import OpencodeHarness
-
-        return OpencodeHarness(**options)
-    if name == "claude-code":
-        from adapters.harnesses.claude_code import ClaudeCodeHarness
-
-        return ClaudeCodeHarness(**options)
-    if name == "mini-swe-agent":
-        from adapters.harnesses.mini_swe_agent import MiniSweAgentHarness
-
-        return MiniSweAgentHarness(**options)
-    raise ValueError(f"unknown harness {name!r}; choose one of {', '.join(HARNESS_NAMES)}")
+    """The adapter for a harness name, built with its options."""
+    return harness_class(name)(**options)
 
 
-__all__ = ["AgentRun", "Endpoint", "HARNESS_NAMES", "Harness", "Launch", "ToolReport", "create_harness",
-           "tool_calls_in_trace"]
+__all__ = ["HARNESSES", "HARNESS_NAMES", "AgentRun", "Dialect", "Endpoint", "Harness", "Launch", "Package",
+           "ToolReport", "create_harness", "harness_class", "tool_calls_in_trace"]

@@ -8,20 +8,63 @@ It gets the session's URLs and key as plain strings and never talks to the proxy
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import shlex
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, ClassVar, Literal
 
 from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
 from harness_rl.trace import TrainingTrace
 
 POLICY_MODEL = "policy"
 NPM_INSTALL = "npm install --no-audit --no-fund --loglevel=error"
+PIP_INSTALL = "pip install --quiet --disable-pip-version-check"
+
+Dialect = Literal["openai-chat", "openai-responses", "anthropic-messages", "google-gemini"]
+
+
+@dataclass(frozen=True)
+class Package:
+    """One pinned release of a harness's CLI on a registry: what installs it, where, and which binary runs it.
+
+    npm packages go to the tools dir's shared npm prefix; a PyPI package with `venv` gets its own
+    virtualenv `<tools>/<venv>` (aider pins a hundred dependencies); one without lives in the
+    sandbox's own Python (mini-swe-agent, a dev dependency of this project).
+    """
+
+    registry: Literal["npm", "pypi"]
+    name: str
+    version: str
+    binary: str
+    venv: str | None = None
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}@{self.version}" if self.registry == "npm" else f"{self.name}=={self.version}"
+
+    def installed_version(self, tools_dir: Path) -> str | None:
+        """The version present in a tools dir on this machine (or this Python), None when absent."""
+        if self.registry == "npm":
+            manifest = tools_dir / "npm" / "node_modules" / self.name / "package.json"
+            try:
+                return str(json.loads(manifest.read_text())["version"])
+            except (OSError, ValueError, KeyError):
+                return None
+        if self.venv is None:
+            try:
+                return importlib.metadata.version(self.name)
+            except importlib.metadata.PackageNotFoundError:
+                return None
+        wheel_name = re.sub(r"[-_.]+", "_", self.name).lower()
+        for info in (tools_dir / self.venv).glob(f"lib/python*/site-packages/{wheel_name}-*.dist-info"):
+            return info.name.removesuffix(".dist-info").rpartition("-")[2]
+        return None
 
 
 def npm_prefix(sandbox: Sandbox) -> str:
@@ -33,6 +76,15 @@ def npm_binary(sandbox: Sandbox, name: str) -> str:
     return str(PurePosixPath(npm_prefix(sandbox)) / "node_modules" / ".bin" / name)
 
 
+def package_binary(sandbox: Sandbox, package: Package) -> str:
+    """The path of a package's CLI inside a sandbox."""
+    if package.registry == "npm":
+        return npm_binary(sandbox, package.binary)
+    if package.venv is not None:
+        return str(PurePosixPath(sandbox.tools_dir) / package.venv / "bin" / package.binary)
+    return str(PurePosixPath(sandbox.python).parent / package.binary)
+
+
 async def install_locked(sandbox: Sandbox, label: str, steps: str) -> None:
     """Run shell install `steps` holding the tools dir's lock, so concurrent rollouts install once."""
     prefix = shlex.quote(npm_prefix(sandbox))
@@ -40,6 +92,25 @@ async def install_locked(sandbox: Sandbox, label: str, steps: str) -> None:
                                 timeout=900)
     if not result.ok:
         raise SandboxError(f"could not install {label}: {(result.stderr or result.stdout).strip()[-500:]}")
+
+
+async def install_package(sandbox: Sandbox, package: Package) -> None:
+    """Install `package` into the sandbox's tools dir unless that exact version is already there."""
+    quote = shlex.quote
+    if package.registry == "npm":
+        manifest = PurePosixPath(npm_prefix(sandbox)) / "node_modules" / package.name / "package.json"
+        probe = f"node -p {quote(f'require({json.dumps(str(manifest))}).version')}"
+        steps = f"{NPM_INSTALL} --prefix {quote(npm_prefix(sandbox))} {quote(package.spec)}"
+    elif package.venv is not None:
+        venv = PurePosixPath(sandbox.tools_dir) / package.venv
+        probe = f"{quote(str(venv / 'bin' / 'python'))} -m pip show {quote(package.name)} | sed -n 's/^Version: //p'"
+        steps = (f"{quote(sandbox.python)} -m venv --clear {quote(str(venv))} && "
+                 f"{quote(str(venv / 'bin' / 'python'))} -m {PIP_INSTALL} {quote(package.spec)}")
+    else:
+        probe = f"{quote(sandbox.python)} -m pip show {quote(package.name)} | sed -n 's/^Version: //p'"
+        steps = f"{quote(sandbox.python)} -m {PIP_INSTALL} {quote(package.spec)}"
+    current = f'"$({probe} 2>/dev/null)"'
+    await install_locked(sandbox, package.spec, f"[ {current} = {quote(package.version)} ] || {{ {steps}; }}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +121,11 @@ class Endpoint:
     anthropic_base_url: str
     api_key: str
     model: str = POLICY_MODEL
+
+    @property
+    def gemini_base_url(self) -> str:
+        """Google's SDK appends `/v1beta/models/...` to its base URL: the session's root, as for Anthropic."""
+        return self.anthropic_base_url
 
 
 @dataclass(frozen=True)
@@ -89,13 +165,22 @@ class ToolReport:
 
 
 class Harness(ABC):
-    """One agent CLI. Subclasses fill in `install` and `launch`, and `report` when the CLI says what it did."""
+    """One agent CLI, under Harbor's name for it. Subclasses declare the dialect it speaks and its pinned
+    package (the one place those facts live), fill in `launch`, and `report` when the CLI says what it did."""
 
-    name: str = "abstract"
+    name: ClassVar[str] = "abstract"
+    dialect: ClassVar[Dialect] = "openai-chat"
+    package: ClassVar[Package | None] = None
 
-    @abstractmethod
     async def install(self, sandbox: Sandbox) -> None:
-        """Make the CLI runnable inside the sandbox; a no-op when it already is."""
+        """Make the CLI runnable inside the sandbox; a no-op when its pinned version already is."""
+        if self.package is not None:
+            await install_package(sandbox, self.package)
+
+    def binary(self, sandbox: Sandbox) -> str:
+        if self.package is None:
+            raise SandboxError(f"{self.name} has no package to run")
+        return package_binary(sandbox, self.package)
 
     @abstractmethod
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:

@@ -13,41 +13,22 @@ read tool calls and the final result from.
 from __future__ import annotations
 
 import json
-import shlex
 from collections import Counter
 from pathlib import PurePosixPath
 
-from adapters.harnesses.base import (
-    NPM_INSTALL,
-    Endpoint,
-    Harness,
-    Launch,
-    ToolReport,
-    install_locked,
-    isolated_env,
-    json_lines,
-    npm_binary,
-    npm_prefix,
-)
+from adapters.harnesses.base import Endpoint, Harness, Launch, Package, ToolReport, isolated_env, json_lines
 from adapters.sandboxes.base import ExecResult, Sandbox
 
-CLAUDE_CODE_VERSION = "2.1.197"
 DISALLOWED_TOOLS = ("WebFetch", "WebSearch", "Task")
 
 
 class ClaudeCodeHarness(Harness):
     name = "claude-code"
+    dialect = "anthropic-messages"
+    package = Package("npm", "@anthropic-ai/claude-code", "2.1.197", "claude")
 
     def __init__(self, api_timeout_ms: int = 600000) -> None:
         self.api_timeout_ms = api_timeout_ms
-
-    def binary(self, sandbox: Sandbox) -> str:
-        return npm_binary(sandbox, "claude")
-
-    async def install(self, sandbox: Sandbox) -> None:
-        prefix, binary = shlex.quote(npm_prefix(sandbox)), shlex.quote(self.binary(sandbox))
-        await install_locked(sandbox, "Claude Code", f"{{ test -x {binary} || {NPM_INSTALL} --prefix {prefix} "
-                                                     f"@anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}; }}")
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         config_dir = PurePosixPath(sandbox.home) / ".claude"
@@ -82,18 +63,23 @@ class ClaudeCodeHarness(Harness):
         return Launch(argv=argv, env=env, files={str(config_dir / "settings.json"): json.dumps(settings)})
 
     async def report(self, sandbox: Sandbox, result: ExecResult) -> ToolReport:
-        """`stream-json`: assistant `tool_use` blocks name the tools, `tool_result` blocks flag errors."""
-        calls: Counter[str] = Counter()
-        failures, completion = 0, ""
-        for event in json_lines(result.stdout):
-            content = (event.get("message") or {}).get("content")
-            for block in content if isinstance(content, list) else []:
-                if not isinstance(block, dict):
-                    continue
-                if event.get("type") == "assistant" and block.get("type") == "tool_use":
-                    calls[str(block.get("name", "?"))] += 1
-                elif event.get("type") == "user" and block.get("type") == "tool_result" and block.get("is_error"):
-                    failures += 1
-            if event.get("type") == "result" and isinstance(event.get("result"), str):
-                completion = event["result"]
-        return ToolReport(dict(calls), failures, completion)
+        return stream_json_report(result.stdout)
+
+
+def stream_json_report(stdout: str) -> ToolReport:
+    """Claude Code's `stream-json` (qwen-code prints the same): assistant `tool_use` blocks name the
+    tools, `tool_result` blocks flag errors, the `result` event holds the final text."""
+    calls: Counter[str] = Counter()
+    failures, completion = 0, ""
+    for event in json_lines(stdout):
+        content = (event.get("message") or {}).get("content")
+        for block in content if isinstance(content, list) else []:
+            if not isinstance(block, dict):
+                continue
+            if event.get("type") == "assistant" and block.get("type") == "tool_use":
+                calls[str(block.get("name", "?"))] += 1
+            elif event.get("type") == "user" and block.get("type") == "tool_result" and block.get("is_error"):
+                failures += 1
+        if event.get("type") == "result" and isinstance(event.get("result"), str):
+            completion = event["result"]
+    return ToolReport(dict(calls), failures, completion)

@@ -37,14 +37,12 @@ class EchoHarness(Harness):
     """One model call; the answer goes to `answer_file` in the workdir."""
 
     name = "echo"
+    dialect = "openai-chat"
 
     def __init__(self, answer_file: str = "answer.txt", max_tokens: int = 64, http_timeout_s: float = 600.0) -> None:
         self.answer_file = answer_file
         self.max_tokens = max_tokens
         self.http_timeout_s = http_timeout_s
-
-    async def install(self, sandbox: Sandbox) -> None:
-        """Nothing to install: the agent is a stdlib script written with the launch files."""
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         script = str(PurePosixPath(sandbox.home) / "echo_agent.py")

@@ -10,31 +10,23 @@ Chat and sends the leaf name. Its global config dir lives in the sandbox's priva
 from __future__ import annotations
 
 import json
-import shlex
 from collections import Counter
 from pathlib import PurePosixPath
 
-from adapters.harnesses.base import Endpoint, Harness, Launch, ToolReport, isolated_env
-from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
+from adapters.harnesses.base import Endpoint, Harness, Launch, Package, ToolReport, isolated_env
+from adapters.sandboxes.base import ExecResult, Sandbox
 
-MINI_SWE_AGENT_VERSION = "2.4.6"
 SUBMIT_COMMAND = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 
 class MiniSweAgentHarness(Harness):
     name = "mini-swe-agent"
+    dialect = "openai-chat"
+    package = Package("pypi", "mini-swe-agent", "2.4.6", "mini")
 
     def __init__(self, step_limit: int = 30, request_timeout_s: float = 3600.0) -> None:
         self.step_limit = step_limit
         self.request_timeout_s = request_timeout_s
-
-    async def install(self, sandbox: Sandbox) -> None:
-        python = shlex.quote(sandbox.python)
-        command = (f"{python} -c 'import minisweagent' 2>/dev/null || "
-                   f"{python} -m pip install --quiet mini-swe-agent=={MINI_SWE_AGENT_VERSION}")
-        result = await sandbox.exec(command, timeout=600)
-        if not result.ok:
-            raise SandboxError(f"could not install mini-swe-agent: {result.stderr.strip()[-500:]}")
 
     def trajectory_path(self, sandbox: Sandbox) -> str:
         return str(PurePosixPath(sandbox.logs_dir) / "agent" / "mini-swe-agent.traj.json")

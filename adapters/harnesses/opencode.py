@@ -28,22 +28,23 @@ from adapters.harnesses.base import (
     Endpoint,
     Harness,
     Launch,
+    Package,
     ToolReport,
     install_locked,
     isolated_env,
     json_lines,
-    npm_binary,
-    npm_prefix,
 )
 from adapters.sandboxes.base import ExecResult, Sandbox
 
-OPENCODE_VERSION = "1.18.33"
+PACKAGE = Package("npm", "opencode-ai", "1.18.33", "opencode")
 PROVIDER_ID = "harness-rl"
 DISABLED_TOOLS = ("task", "question", "webfetch")
 
 
 class OpencodeHarness(Harness):
     name = "opencode"
+    dialect = "openai-chat"
+    package = PACKAGE
 
     def __init__(self, context_tokens: int = 65536, output_tokens: int = 8192) -> None:
         self.context_tokens = context_tokens
@@ -53,17 +54,12 @@ class OpencodeHarness(Harness):
     def warm_dir(sandbox: Sandbox) -> str:
         return str(PurePosixPath(sandbox.tools_dir) / "opencode-warm")
 
-    def binary(self, sandbox: Sandbox) -> str:
-        return npm_binary(sandbox, "opencode")
-
     async def install(self, sandbox: Sandbox) -> None:
-        prefix, warm = shlex.quote(npm_prefix(sandbox)), shlex.quote(self.warm_dir(sandbox))
-        binary = shlex.quote(self.binary(sandbox))
-        await install_locked(sandbox, "opencode", (
-            f"mkdir -p {warm} && "
-            f"{{ test -x {binary} || {NPM_INSTALL} --prefix {prefix} opencode-ai@{OPENCODE_VERSION}; }}"
-            f" && {{ test -d {warm}/node_modules/@opencode-ai/plugin || "
-            f"{NPM_INSTALL} --prefix {warm} --save-exact @opencode-ai/plugin@{OPENCODE_VERSION}; }}"))
+        await super().install(sandbox)
+        warm = shlex.quote(self.warm_dir(sandbox))
+        await install_locked(sandbox, "opencode's plugin cache", (
+            f"mkdir -p {warm} && {{ test -d {warm}/node_modules/@opencode-ai/plugin || "
+            f"{NPM_INSTALL} --prefix {warm} --save-exact @opencode-ai/plugin@{PACKAGE.version}; }}"))
 
     def config(self, endpoint: Endpoint) -> dict:
         model = f"{PROVIDER_ID}/{endpoint.model}"
