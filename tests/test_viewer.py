@@ -120,6 +120,22 @@ def test_steps_limit_which_traces_are_embedded(fixture_run: FixtureRun, tmp_path
         "trace not embedded (outside --steps)"}
 
 
+def test_a_full_page_keeps_the_newest_steps(fixture_run: FixtureRun, tmp_path: Path):
+    page = tmp_path / "page.html"
+    main(["view", str(fixture_run.path), "--max-mb", "0.03", "-o", str(page)])
+    data = embedded(page)
+    kept = [r for r in data["rollouts"] if "turns" in r]
+    left = [r for r in data["rollouts"] if r.get("trace_note", "").startswith("trace not embedded: the page is full")]
+    assert kept and left and len(kept) + len(left) == len(fixture_run.traces)
+    assert min(r["step"] for r in kept) >= max(r["step"] for r in left)
+    # texts of the rollout that did not fit were taken back out
+    used = {m["text"] for r in kept for t in r["turns"] for m in t.get("messages", []) if "text" in m}
+    used |= {t["new_prompt_text"] for r in kept for t in r["turns"]}
+    replies = [t["reply"] for r in kept for t in r["turns"] if "reply" in t]
+    used |= {reply[k] for reply in replies for k in ("content", "reasoning") if k in reply}
+    assert used == set(range(len(data["texts"])))
+
+
 def test_bad_arguments_say_what_is_wrong(fixture_run: FixtureRun, tmp_path: Path, capsys):
     with pytest.raises(SystemExit, match="nowhere: no such file or directory"):
         main(["view", str(tmp_path / "nowhere")])

@@ -7,6 +7,8 @@ import http.server
 import sys
 from pathlib import Path
 
+from harness_rl.viewer.load import DEFAULT_MAX_BYTES
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -24,6 +26,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_step_range, default=(None, None), metavar="FIRST:LAST",
                         help="embed traces only for rollouts of these steps (inclusive; either side may be empty), "
                              "to keep the page small for long runs; metrics and rewards cover every step")
+    parser.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 1e6,
+                        help="at most this many megabytes of traces in the page, newest steps first "
+                             "(default %(default)g)")
     parser.add_argument("--serve", action="store_true",
                         help="also serve the page on http://127.0.0.1:PORT/ until Ctrl-C")
     parser.add_argument("--port", type=int, default=8765, help="port for --serve (default 8765; 0 picks a free one)")
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         tokens = open_tokenizer(tokenizer_path) if tokenizer_path else None
     except TokenizerError as exc:
         raise SystemExit(f"harness-rl view: {exc}") from None
-    view = load_run(run_dir, tokens, args.steps) if run_dir else load_traces(paths, tokens)
+    view = load_run(run_dir, tokens, args.steps, int(args.max_mb * 1e6)) if run_dir else load_traces(paths, tokens)
     output = args.output or (run_dir / "view.html" if run_dir else Path("view.html"))
     page = render_page(view).encode("utf-8")
     output.write_bytes(page)

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from harness_rl.rows import completion_mask
 from harness_rl.trace import TraceFormatError, TrainingTrace, Turn
 from harness_rl.viewer.model import (
@@ -43,6 +45,7 @@ CHARTS = (
 MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a note saying how much
 BREAK_WINDOW = 8  # tokens shown on each side of a prefix break
 LOGP_DIGITS = 3
+DEFAULT_MAX_BYTES = 40_000_000  # traces embedded in one page; past it the newest steps win
 
 
 class Texts:
@@ -51,6 +54,7 @@ class Texts:
     def __init__(self) -> None:
         self.items: list[str] = []
         self._index: dict[str, int] = {}
+        self.chars = 0
 
     def ref(self, text: str | None) -> int | None:
         if text is None:
@@ -60,26 +64,50 @@ class Texts:
         if text not in self._index:
             self._index[text] = len(self.items)
             self.items.append(text)
+            self.chars += len(text)
         return self._index[text]
 
+    def rollback(self, count: int) -> None:
+        """Forget every text added after the first `count` (a rollout that was not embedded after all)."""
+        for text in self.items[count:]:
+            del self._index[text]
+            self.chars -= len(text)
+        del self.items[count:]
 
-def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, int | None] = (None, None)) -> View:
-    """The whole run: metrics, every rollout row, and the traces of rollouts whose step is in `steps`."""
+
+def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, int | None] = (None, None),
+             max_bytes: int = DEFAULT_MAX_BYTES) -> View:
+    """The whole run: metrics, every rollout row, and the traces of rollouts whose step is in `steps`.
+
+    Traces are embedded newest step first until they take `max_bytes`, so a long run's page stays
+    small enough to open and shows where training ended up; older rollouts keep their row and say why
+    their turns are missing.
+    """
     texts = Texts()
     rows = _read_jsonl(run_dir / "rollouts.jsonl")
-    rollouts = []
-    if rows:
-        for row in rows:
-            view = _rollout_from_row(row)
-            trace_path = row.get("trace")
-            if not isinstance(trace_path, str):
-                view.trace_note = "no trace recorded"
-            elif not _in_steps(view.step, steps):
-                view.trace_note = "trace not embedded (outside --steps)"
+    rollouts = [_rollout_from_row(row) for row in rows]
+    budget = max_bytes
+    newest_first = sorted(range(len(rows)), key=lambda i: -1 if rollouts[i].step is None else rollouts[i].step,
+                          reverse=True)
+    for index in newest_first:
+        view, trace_path = rollouts[index], rows[index].get("trace")
+        if not isinstance(trace_path, str):
+            view.trace_note = "no trace recorded"
+        elif not _in_steps(view.step, steps):
+            view.trace_note = "trace not embedded (outside --steps)"
+        elif budget <= 0:
+            view.trace_note = "trace not embedded: the page is full (raise --max-mb or choose --steps)"
+        else:
+            count, chars = len(texts.items), texts.chars
+            _attach_trace(view, run_dir / trace_path, tokens, texts)
+            size = texts.chars - chars + len(msgspec.json.encode(view))
+            if size > budget and view.turns is not None:
+                texts.rollback(count)
+                view.turns, budget = None, 0
+                view.trace_note = "trace not embedded: the page is full (raise --max-mb or choose --steps)"
             else:
-                _attach_trace(view, run_dir / trace_path, tokens, texts)
-            rollouts.append(view)
-    else:  # an older run without rollouts.jsonl: whatever traces it left
+                budget -= size
+    if not rows:  # an older run without rollouts.jsonl: whatever traces it left
         rollouts = [_rollout_from_trace_file(path, tokens, texts) for path in sorted(run_dir.glob("traces/*.json"))]
     return View(
         title=run_dir.resolve().name, source=str(run_dir), tokenizer=str(tokens.path) if tokens else None,
