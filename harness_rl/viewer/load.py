@@ -87,8 +87,7 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
     rows = _read_jsonl(run_dir / "rollouts.jsonl")
     rollouts = [_rollout_from_row(row) for row in rows]
     budget = max_bytes
-    newest_first = sorted(range(len(rows)), key=lambda i: -1 if rollouts[i].step is None else rollouts[i].step,
-                          reverse=True)
+    newest_first = sorted(range(len(rows)), key=lambda i: rollouts[i].step or 0, reverse=True)
     for index in newest_first:
         view, trace_path = rollouts[index], rows[index].get("trace")
         if not isinstance(trace_path, str):
@@ -297,7 +296,7 @@ def _tool_calls(calls: Any) -> list[ToolCallView]:
     out = []
     for call in calls if isinstance(calls, list) else []:
         if isinstance(call, dict):  # OpenAI shape: {"function": {"name", "arguments"}}
-            function = call.get("function") if isinstance(call.get("function"), dict) else call
+            function: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else call
             arguments = function.get("arguments", "")
             out.append(ToolCallView(name=str(function.get("name", "?")),
                                     arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
