@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TOOLS  := .tools/.installed
+BROWSER := .tools/.browser
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -21,10 +22,15 @@ $(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py)
 	bash scripts/install_agents.sh
 	touch $(TOOLS)
 
+# Chromium for the viewer's browser tests (they skip, saying why, without it).
+$(BROWSER): scripts/install_browser.sh
+	bash scripts/install_browser.sh
+	mkdir -p .tools && touch $(BROWSER)
+
 train: $(STAMP)
 	$(BIN)/harness-rl train
 
-test: $(STAMP) $(TOOLS)
+test: $(STAMP) $(TOOLS) $(BROWSER)
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

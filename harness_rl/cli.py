@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from harness_rl import __version__
-from harness_rl.commands import harnesses, serve_engine, serve_proxy, traces, train
+from harness_rl.commands import harnesses, serve_engine, serve_proxy, traces, train, view
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.register(commands)
     traces.register(commands)
     harnesses.register(commands)
+    view.register(commands)
     return parser
 
 

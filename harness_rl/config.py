@@ -120,6 +120,8 @@ class OutputConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resume: Annotated[bool, setting("continue the run in --output-dir from its latest checkpoint")] = False
     save_every: Annotated[AtLeastZero, setting("checkpoint every N steps; 0: only at the end")] = 10
     save_total_limit: Annotated[AtLeastOne | None, setting("keep the newest N checkpoints; none: all")] = 3
+    report_to: Annotated[str, setting("where step metrics go besides metrics.jsonl: tensorboard, trackio "
+                                      "(comma-separated) or none")] = "tensorboard"
 
 
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -324,7 +326,18 @@ def _check_learner(config: RunConfig) -> None:
 
 
 def _check_output(config: RunConfig) -> None:
+    import importlib.util
+
+    from harness_rl.metrics import MetricsBackendError, parse_report_to
+
     output = config.output
+    try:
+        backends = parse_report_to(output.report_to)
+    except MetricsBackendError as exc:
+        raise ConfigError("--report-to", str(exc)) from None
+    for backend in backends:
+        if backend != "jsonl" and importlib.util.find_spec(backend) is None:
+            raise ConfigError("--report-to", f"{backend} is not installed: pip install 'harness-rl[train]'")
     if output.resume and not output.output_dir:
         raise ConfigError("--resume", "needs --output-dir (the run to continue)")
     if output.output_dir is None:

@@ -30,6 +30,7 @@ token of the step, so micro-batching and gradient accumulation never change the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -71,6 +72,46 @@ def k3_kl(logps: torch.Tensor, other_logps: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(π_θ ‖ π_other) per token: e^{o−θ} − (o−θ) − 1 ≥ 0."""
     delta = other_logps - logps
     return torch.exp(delta) - delta - 1
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Train/inference mismatch over trained tokens: the learner's logprobs against the engine's.
+
+    Holds sums so micro-batches add up (`a + b`); `metrics()` gives the step's values under TRL's
+    names where TRL has one. At equal weights the two logprobs differ only by numerics (kernels,
+    dtype, batch shape), so these measure how far the engine's sampler is from the policy trained.
+    """
+
+    tokens: int = 0
+    kl_sum: float = 0.0  # Σ k3 estimate of KL(π_behaviour ‖ π_learner), sampled from the behaviour policy
+    abs_diff_sum: float = 0.0  # Σ |log π_learner − log π_behaviour|
+    abs_diff_max: float = 0.0
+
+    @classmethod
+    def of(cls, learner_logps: torch.Tensor, behaviour_logps: torch.Tensor) -> Mismatch:
+        """Over the given trained tokens (1-D tensors, one entry per token, as `grpo_loss` takes them)."""
+        learner_logps, behaviour_logps = learner_logps.detach().double(), behaviour_logps.detach().double()
+        if learner_logps.shape != behaviour_logps.shape:
+            raise ValueError(f"mismatch: {learner_logps.numel()} learner logprobs for "
+                             f"{behaviour_logps.numel()} behaviour logprobs")
+        if not learner_logps.numel():
+            return cls()
+        diff = (learner_logps - behaviour_logps).abs()
+        return cls(tokens=learner_logps.numel(), kl_sum=float(k3_kl(behaviour_logps, learner_logps).sum()),
+                   abs_diff_sum=float(diff.sum()), abs_diff_max=float(diff.max()))
+
+    def __add__(self, other: Mismatch) -> Mismatch:
+        return Mismatch(self.tokens + other.tokens, self.kl_sum + other.kl_sum,
+                        self.abs_diff_sum + other.abs_diff_sum, max(self.abs_diff_max, other.abs_diff_max))
+
+    def metrics(self) -> dict[str, float]:
+        """`mismatch_kl` (logged as `train/mismatch_kl`) and TRL's `sampling/sampling_logp_difference/*`."""
+        if not self.tokens:
+            return {}
+        return {"mismatch_kl": self.kl_sum / self.tokens,
+                "sampling/sampling_logp_difference/mean": self.abs_diff_sum / self.tokens,
+                "sampling/sampling_logp_difference/max": self.abs_diff_max}
 
 
 def grpo_loss(

@@ -29,7 +29,7 @@ from harness_rl.checkpoint import (
     save_checkpoint,
 )
 from harness_rl.config import LearnerConfig
-from harness_rl.grpo import grpo_loss
+from harness_rl.grpo import Mismatch, grpo_loss
 from harness_rl.metrics import MetricsLogger
 from harness_rl.outcome import RolloutGroup
 from harness_rl.packing import fill_fraction, pack, packed_logprobs
@@ -101,6 +101,7 @@ class Learner:
         batches = pack(samples, config.token_budget)
         sums: dict[str, float] = {}
         loss_total = 0.0
+        mismatch = Mismatch()
         for batch in batches:
             batch = batch.to(self.device)
             with self._autocast():
@@ -111,6 +112,8 @@ class Learner:
                         ref_logps, _ = packed_logprobs(self.ref_model, batch, self.temperature)
             loss, stats = grpo_loss(logps, batch.behaviour_logps, batch.advantages, batch.weights,
                                     config.loss, ref_logps, batch.row_index)
+            fresh = batch.versions == self.policy_version  # sampled by the weights the learner holds now
+            mismatch = mismatch + Mismatch.of(logps[fresh], batch.behaviour_logps[fresh])
             loss.backward()
             loss_total += loss.item()
             stats["entropy"] = entropy.sum()
@@ -135,6 +138,7 @@ class Learner:
         trained = sums["tokens"]
         metrics.update({key: value if _is_extremum(key) else value / trained
                         for key, value in sums.items() if key != "tokens"})
+        metrics.update(mismatch.metrics())
         metrics.update({
             "loss": loss_total,
             "grad_norm": grad_norm,

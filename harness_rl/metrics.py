@@ -1,12 +1,25 @@
-"""Per-step metrics: one console line, a JSONL file, and TensorBoard and trackio when installed."""
+"""Per-step metrics: one console line, and the backends named in `report_to`.
+
+Backends: `jsonl` (`metrics.jsonl`, the run's own record, read back by the report and the viewer),
+`tensorboard` (event files under `tensorboard/`) and `trackio` (offline, a local SQLite store under
+`trackio/`). TensorBoard and trackio get TRL's names: transformers' callbacks prefix every training
+metric with `train/` (`train/reward`, `train/loss`, ...) at the learner's step, and so do we, so a
+harness-rl run and a TRL run plot side by side.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
+
+BACKENDS = ("jsonl", "tensorboard", "trackio")
+DEFAULT_REPORT_TO = ("jsonl", "tensorboard")
+TRL_PREFIX = "train/"
 
 CONSOLE_KEYS = (
     ("loss", "loss", "{:.4f}"), ("reward", "reward", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
@@ -14,6 +27,10 @@ CONSOLE_KEYS = (
     ("clip_ratio/region_mean", "clip", "{:.3f}"), ("sample/staleness_mean", "stale", "{:.2f}"),
     ("batch/trained_tokens_per_step", "tok", "{:.0f}"), ("perf/step_s", "s", "{:.2f}"),
 )
+
+
+class MetricsBackendError(ValueError):
+    """A `report_to` entry that is unknown or whose package is not installed."""
 
 
 def console_line(step: int, metrics: dict[str, float]) -> str:
@@ -24,11 +41,33 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-class MetricsLogger:
-    """Writes each step's metrics everywhere that is available; silent backends are simply skipped."""
+def parse_report_to(value: str | Iterable[str]) -> tuple[str, ...]:
+    """`"jsonl,tensorboard"` (or a list) as a checked tuple; `"none"` or empty means console only."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    chosen = tuple(dict.fromkeys(n.strip().lower() for n in names if n.strip() and n.strip().lower() != "none"))
+    unknown = [n for n in chosen if n not in BACKENDS]
+    if unknown:
+        raise MetricsBackendError(f"unknown --report-to backend {', '.join(map(repr, unknown))}: "
+                                  f"choose from {', '.join(BACKENDS)} (comma-separated) or none")
+    return chosen
 
-    def __init__(self, output_dir: str | Path | None, *, console: bool = True, run_name: str = "harness-rl") -> None:
+
+def trl_names(metrics: dict[str, float]) -> dict[str, float]:
+    """TRL's names for TensorBoard and trackio: `train/<name>`, as transformers' `rewrite_logs` writes them."""
+    return {TRL_PREFIX + key: value for key, value in metrics.items()}
+
+
+class MetricsLogger:
+    """Writes each step's metrics to the console and to every backend in `report_to`.
+
+    With `output_dir=None` only the console line is written. A named backend whose package is missing
+    is an error at construction (not a silent gap discovered after a long run).
+    """
+
+    def __init__(self, output_dir: str | Path | None, *, console: bool = True,
+                 report_to: str | Iterable[str] = DEFAULT_REPORT_TO, project: str = "harness-rl") -> None:
         self.console = console
+        self.report_to = parse_report_to(report_to)
         self.jsonl: TextIO | None = None
         self.tensorboard: Any = None
         self.trackio: Any = None
@@ -36,20 +75,12 @@ class MetricsLogger:
             return
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
-        except ImportError:
-            pass
-        try:
-            import trackio
-
-            trackio.init(project=run_name)
-            self.trackio = trackio
-        except ImportError:
-            pass
+        if "tensorboard" in self.report_to:
+            self.tensorboard = _tensorboard_writer(output_dir / "tensorboard")
+        if "trackio" in self.report_to:
+            self.trackio = _trackio_run(output_dir, project)
+        if "jsonl" in self.report_to:
+            self.jsonl = (output_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
@@ -59,10 +90,11 @@ class MetricsLogger:
             self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self.jsonl.flush()
         if self.tensorboard is not None:
-            for key, value in clean.items():
+            for key, value in trl_names(clean).items():
                 self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
         if self.trackio is not None:
-            self.trackio.log(clean, step=step)
+            self.trackio.log({**trl_names(clean), "train/global_step": step}, step=step)
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -71,3 +103,29 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.trackio is not None:
             self.trackio.finish()
+
+
+def _tensorboard_writer(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise MetricsBackendError("--report-to tensorboard needs the tensorboard package: "
+                                  "pip install 'harness-rl[train]' (or drop tensorboard from --report-to)") from None
+    return SummaryWriter(str(log_dir))
+
+
+def _trackio_run(output_dir: Path, project: str) -> Any:
+    """A local trackio run stored under `output_dir/trackio` (unless `TRACKIO_DIR` says otherwise).
+
+    trackio fixes its storage directory from `TRACKIO_DIR` when first imported, so the variable is set
+    before that import; a process that imported trackio earlier keeps the directory it chose then.
+    Nothing leaves the machine unless the user set `TRACKIO_SPACE_ID` or `TRACKIO_SERVER_URL`.
+    """
+    os.environ.setdefault("TRACKIO_DIR", str((output_dir / "trackio").resolve()))
+    try:
+        import trackio
+    except ImportError:
+        raise MetricsBackendError("--report-to trackio needs the trackio package: "
+                                  "pip install 'harness-rl[train]' (or drop trackio from --report-to)") from None
+    return trackio.init(project=project, name=output_dir.resolve().name, resume="allow",
+                        auto_log_gpu=False, auto_log_cpu=False)

@@ -40,6 +40,7 @@ class MicroBatch:
     target_index: torch.Tensor  # (N,) positions whose logits predict a trained token
     target_ids: torch.Tensor  # (N,)
     behaviour_logps: torch.Tensor  # (N,)
+    versions: torch.Tensor  # (N,) the policy version that sampled each token (-1 when unknown)
     advantages: torch.Tensor  # (N,)
     weights: torch.Tensor  # (N,)
     row_index: torch.Tensor  # (N,) which of the micro-batch's rows the token is in
@@ -88,6 +89,7 @@ def _collate(samples: list[Sample]) -> MicroBatch:
     target_index: list[int] = []
     target_ids: list[int] = []
     behaviour: list[float] = []
+    versions: list[int] = []
     advantages: list[float] = []
     weights: list[float] = []
     row_index: list[int] = []
@@ -100,6 +102,7 @@ def _collate(samples: list[Sample]) -> MicroBatch:
                 target_index.append(offset + pos - 1)
                 target_ids.append(row.tokens[pos])
                 behaviour.append(row.logprobs[pos])
+                versions.append(row.versions[pos])
         n = len(target_ids) - len(advantages)
         advantages.extend([sample.advantage] * n)
         weights.extend([sample.weight] * n)
@@ -110,6 +113,7 @@ def _collate(samples: list[Sample]) -> MicroBatch:
         target_index=torch.tensor(target_index),
         target_ids=torch.tensor(target_ids),
         behaviour_logps=torch.tensor(behaviour, dtype=torch.float32),
+        versions=torch.tensor(versions, dtype=torch.long),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         weights=torch.tensor(weights, dtype=torch.float32),
         row_index=torch.tensor(row_index),

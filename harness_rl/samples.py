@@ -53,8 +53,13 @@ def build_samples(
               "temperature_mismatch_tokens": 0}
     rows_per_rollout: list[int] = []
     turns_per_rollout: list[int] = []
+    sources = {"spliced": 0, "rendered": 0}
     staleness: list[int] = []
     for group in groups:
+        for outcome in group.outcomes:
+            for turn in outcome.trace.turns if outcome.trace is not None else ():
+                if turn.role == "agent" and turn.prompt_source is not None:
+                    sources[turn.prompt_source] += 1
         scores = [o.reward for o in group.outcomes]
         rewards.extend(r for r in scores if r is not None)
         counts["unscorable"] += sum(r is None for r in scores)
@@ -104,6 +109,8 @@ def build_samples(
         "rollout/fork_frac": _mean([float(n > 1) for n in rows_per_rollout]),
         "rollout/turns_mean": _mean(turns_per_rollout),
         "rollout/turns_max": float(max(turns_per_rollout, default=0)),
+        "rollout/spliced_turns": float(sources["spliced"]),
+        "rollout/rendered_turns": float(sources["rendered"]),
     }
     return samples, metrics
 

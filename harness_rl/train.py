@@ -215,7 +215,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         client = ProxyClient(proxy.url, proxy.admin_token)
         learner = Learner(engine.model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
                           seed=config.seed, weight_sync=ProxyGate(engine.sync, client, loop), output_dir=output_dir,
-                          metrics=MetricsLogger(output_dir, console=False),
+                          metrics=MetricsLogger(output_dir, console=False,
+                                                report_to=f"jsonl,{config.output.report_to}"),
                           save_total_limit=config.output.save_total_limit)
         scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None

@@ -1,4 +1,4 @@
-"""Package borders from DESIGN.md §2: the proxy, the adapters and the trace contract start without torch."""
+"""Package borders from DESIGN.md §2: the proxy, the adapters, the trace contract and the viewer start without torch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ HEAVY = ("torch", "transformers")
     "import proxy",
     "import adapters",
     "from harness_rl.cli import build_parser; build_parser()",
+    "import harness_rl.viewer.load, harness_rl.viewer.page, harness_rl.viewer.tokens",
 ])
 def test_light_imports_leave_torch_out(statement: str) -> None:
     code = f"{statement}; import sys; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"

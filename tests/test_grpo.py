@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness_rl.config import LossConfig
-from harness_rl.grpo import group_advantages, grpo_loss, k3_kl, token_weights
+from harness_rl.grpo import Mismatch, group_advantages, grpo_loss, k3_kl, token_weights
 
 
 def test_advantages_exclude_unscorable_from_the_baseline():
@@ -232,3 +232,22 @@ def test_token_loss_and_metrics_equal_trl_async_grpo_trainer():
         assert stats[name].item() == pytest.approx(metrics[name], abs=1e-6), name
     assert stats["clip_ratio/high_max"] > 0
     assert stats["clip_ratio/region_mean"] > 0
+
+
+def test_mismatch_k3_kl_and_largest_difference_by_hand():
+    learner = torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64)
+    behaviour = torch.tensor([-1.2, -0.5, -1.0], dtype=torch.float64)
+    # δ = learner − behaviour = [0.2, 0, −1]; k3 = e^δ − δ − 1 (samples from the behaviour policy)
+    k3 = [math.exp(0.2) - 1.2, 0.0, math.exp(-1.0)]
+    metrics = Mismatch.of(learner, behaviour).metrics()
+    assert metrics["mismatch_kl"] == pytest.approx(sum(k3) / 3, abs=1e-12)
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(1.2 / 3, abs=1e-12)
+    assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(1.0, abs=1e-12)
+    # micro-batches add up to the whole step
+    split = Mismatch.of(learner[:1], behaviour[:1]) + Mismatch.of(learner[1:], behaviour[1:])
+    assert split.metrics() == pytest.approx(metrics)
+    # equal logprobs: no mismatch; no tokens: no metrics
+    assert set(Mismatch.of(behaviour, behaviour).metrics().values()) == {0.0}
+    assert (Mismatch() + Mismatch.of(torch.empty(0), torch.empty(0))).metrics() == {}
+    with pytest.raises(ValueError, match="2 learner logprobs for 3 behaviour"):
+        Mismatch.of(learner[:2], behaviour)

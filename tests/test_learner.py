@@ -200,3 +200,31 @@ def test_a_failed_sync_is_retried_after_the_next_step_and_too_many_in_a_row_rais
     learner.step(make_groups(2, seed=0))
     with pytest.raises(WeightSyncError, match="HTTP 502"):
         learner.step(make_groups(2, seed=0))
+
+
+def test_mismatch_is_measured_on_tokens_sampled_by_the_current_weights(model_dir):
+    learner = Learner(model_dir, config(lr_scheduler="constant", warmup_steps=0), metrics=quiet())
+    prompt, completions = [5, 6, 7], ([11, 12, 13], [21, 22, 23])
+
+    def own_logps(completion):
+        with torch.no_grad():
+            logits = learner.model(input_ids=torch.tensor([prompt + completion])).logits[0, 2:5]
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+    def group(version: int, shift: float) -> RolloutGroup:
+        outcomes = []
+        for i, completion in enumerate(completions):
+            logps = [lp + shift for lp in own_logps(completion)]
+            turn = Turn(node_id=f"n{i}", prompt_token_ids=prompt, completion_token_ids=completion,
+                        per_token_logps=logps, loss_mask=[0, 0, 0, 1, 1, 1], policy_version=version)
+            outcomes.append(RolloutOutcome(rollout_id=f"r{i}", task="t", reward=float(i),
+                                           trace=TrainingTrace(rollout_id=f"r{i}", turns=[turn])))
+        return RolloutGroup(group_id=0, task="t", outcomes=outcomes)
+
+    equal = learner.step([group(version=0, shift=0.0)])
+    assert equal["sampling/sampling_logp_difference/max"] < 1e-5 and equal["mismatch_kl"] < 1e-10
+    shifted = learner.step([group(version=1, shift=-0.1)])  # the engine's logprobs 0.1 lower than the learner's
+    assert shifted["sampling/sampling_logp_difference/max"] == pytest.approx(0.1, abs=1e-5)
+    assert shifted["mismatch_kl"] == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-3)
+    stale = learner.step([group(version=0, shift=0.0)])  # sampled two versions ago: not a same-weights measure
+    assert "mismatch_kl" not in stale

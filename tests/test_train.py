@@ -224,6 +224,7 @@ def main_help(argv: list[str]) -> str:
     (["--resume"], "--resume"),
     (["--config", "/nonexistent.toml"], "--config"),
     (["--lr-scheduler", "cosine", "--warmup-steps", "50"], "--lr-scheduler"),
+    (["--report-to", "wandb"], "--report-to"),
 ])
 def test_each_bad_setting_is_one_line_exit_2_fast_and_leaves_no_run_folder(
         tmp_path: Path, flags: list[str], setting: str) -> None:
