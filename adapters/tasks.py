@@ -1,7 +1,8 @@
 """Harbor-format tasks: loading them and scoring a sandbox with the task's own verifier.
 
 A task is a directory holding `instruction.md` (what the agent is told), `task.toml` (limits and
-environment), `environment/` (how to build its machine) and `tests/test.sh` (the verifier). The
+environment), `environment/` (how to build its machine), `tests/test.sh` (the verifier) and
+optionally `solution/solve.sh` (the reference solution, Harbor's oracle). The
 verifier runs inside the sandbox after the agent and writes `/logs/verifier/reward.json` (a flat
 map of numbers) or `/logs/verifier/reward.txt` (one number); JSON wins when both exist.
 
@@ -24,6 +25,7 @@ from adapters.sandboxes.base import Sandbox
 DEFAULT_WORKDIR = "/app"
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 WORKSPACE_SEED_DIR = "workspace"
+SOLUTION_SCRIPT = "solution/solve.sh"
 HF_REPO_ID = re.compile(r"^(hf://)?(datasets/)?[\w.-]+/[\w.-]+$")
 
 
@@ -86,6 +88,17 @@ class Task:
         """
         seed = self.environment_dir / WORKSPACE_SEED_DIR
         return seed if seed.is_dir() else None
+
+    @property
+    def solution_steps(self) -> list[str]:
+        """The reference solution as separate commands, run in the workdir: `solution/solve.sh`'s lines
+        that are neither blank nor comments, one agent tool call each (our tasks' convention, which
+        keeps the script valid for Harbor's oracle); empty when the task ships no solution."""
+        script = self.path / SOLUTION_SCRIPT
+        if not script.is_file():
+            return []
+        lines = (line.strip() for line in script.read_text().splitlines())
+        return [line for line in lines if line and not line.startswith("#")]
 
 
 def load_task(path: str | Path) -> Task:
