@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from harness_rl import __version__
-from harness_rl.commands import serve_engine, serve_proxy, traces, train
+from harness_rl.commands import serve_engine, serve_proxy, sft, traces, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train.register(commands)
     traces.register(commands)
+    sft.register(commands)
     return parser
 
 
