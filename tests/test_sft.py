@@ -132,13 +132,16 @@ def teacher_targets(traces: list[TrainingTrace]) -> Counter:
 
 
 def teacher_logprob(model, traces: list[TrainingTrace]) -> float:
-    """Mean logprob of the teacher's trained tokens, each agent turn forwarded on its own (no packing)."""
+    """Mean logprob of the teacher's trained tokens: each agent turn forwarded whole on its own (no packing)."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for (context, token), n in teacher_targets(traces).items():
-            logits = model(input_ids=torch.tensor([context])).logits[0, -1].float()
-            total += n * float(torch.log_softmax(logits, -1)[token])
-            count += n
+        for turn in (t for trace in traces for t in trace.turns if t.role == "agent"):
+            logps = torch.log_softmax(model(input_ids=torch.tensor([turn.sequence])).logits[0].float(), -1)
+            start = len(turn.prompt_token_ids)
+            for i, (token, m) in enumerate(zip(turn.completion_token_ids, turn.completion_mask, strict=True)):
+                if m:
+                    total += float(logps[start + i - 1, token])
+                    count += 1
     return total / count
 
 
