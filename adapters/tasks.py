@@ -1,8 +1,8 @@
 """Harbor-format tasks: loading them from a directory or a Hugging Face dataset.
 
 A task is a directory holding `instruction.md` (what the agent is told), `task.toml` (limits and
-environment), `environment/` (how to build its machine) and `tests/test.sh` (the verifier, run by
-`adapters.verifier`).
+environment), `environment/` (how to build its machine), `tests/test.sh` (the verifier, run by
+`adapters.verifier`) and optionally `solution/solve.sh` (the reference solution, Harbor's oracle).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 DEFAULT_WORKDIR = "/app"
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 WORKSPACE_SEED_DIR = "workspace"
+SOLUTION_SCRIPT = "solution/solve.sh"
 HF_REPO_ID = re.compile(r"^(hf://)?(datasets/)?[\w.-]+/[\w.-]+$")
 
 
@@ -74,6 +75,17 @@ class Task:
         """
         seed = self.environment_dir / WORKSPACE_SEED_DIR
         return seed if seed.is_dir() else None
+
+    @property
+    def solution_steps(self) -> list[str]:
+        """The reference solution as separate commands, run in the workdir: `solution/solve.sh`'s lines
+        that are neither blank nor comments, one agent tool call each (our tasks' convention, which
+        keeps the script valid for Harbor's oracle); empty when the task ships no solution."""
+        script = self.path / SOLUTION_SCRIPT
+        if not script.is_file():
+            return []
+        lines = (line.strip() for line in script.read_text().splitlines())
+        return [line for line in lines if line and not line.startswith("#")]
 
 
 def load_task(path: str | Path) -> Task:

@@ -135,6 +135,23 @@ class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
 
 
+class SftConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of `harness-rl sft` (rejection-sampling fine-tuning from captured traces)."""
+
+    traces: Annotated[str, setting("a directory of *.json traces (e.g. runs/<run>/traces) or a glob of trace files")] \
+        = ""
+    model: Annotated[str, setting("a local model directory, or tiny")] = ""
+    output_dir: Annotated[str, setting("where the fine-tuned model directory goes (must not exist or be empty)")] = ""
+    min_reward: Annotated[float, setting("keep traces whose metadata reward is at least this")] = 1.0
+    epochs: Annotated[AtLeastOne, setting("passes over the selected traces")] = 3
+    learning_rate: Annotated[Positive, setting("AdamW learning rate")] = 1e-5
+    token_budget: Annotated[AtLeastOne, setting("tokens per packed micro-batch, one optimizer step each")] = 16384
+    seed: Annotated[int, setting("seed of the batch order (and of the tiny model)")] = 0
+    weight_decay: Annotated[NonNegative, setting("AdamW weight decay")] = 0.0
+    max_grad_norm: Annotated[Positive | None, setting("gradient-norm clip; none: no clipping")] = 1.0
+    device: Annotated[str, setting("torch device; auto: cuda when available")] = "auto"
+
+
 # A preset is a partial configuration laid over the field defaults (which are `real`).
 PRESETS: dict[str, dict[str, Any]] = {
     "real": {},

@@ -53,8 +53,8 @@ class Learner:
         self.save_total_limit = save_total_limit
         random.seed(seed)
         torch.manual_seed(seed)
-        self.device = torch.device(_device(config.device))
-        attn = config.attn_implementation or _attention(self.device)
+        self.device = torch.device(torch_device(config.device))
+        attn = config.attn_implementation or attention_kernel(self.device)
         self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                                          attn_implementation=attn))
         self.model.to(self.device)
@@ -223,13 +223,15 @@ def _reduce(key: str, total: float | None, value: float) -> float:
     return total + value
 
 
-def _device(name: str) -> str:
+def torch_device(name: str) -> str:
+    """`auto`: cuda when available, else cpu; anything else as given."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
 
 
-def _attention(device: torch.device) -> str:
+def attention_kernel(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when installed (packed rows stay apart at varlen cost), else sdpa."""
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
