@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, ToolCall
+from harness_rl.trace import PrefixBreak, PromptSource, Reply, ToolCall, VersionSpan
 from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
@@ -101,13 +101,15 @@ class CapturePipeline:
                                     "harness": harness, "engine_attempts": sample.attempts}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
-        if sample.spans:
-            metadata["weight_versions"] = msgspec.to_builtins(sample.spans)
-        version = sample.policy_version if sample.policy_version is not None else self.announced_version
+        spans = [VersionSpan(version=int(s.version), start=s.start, end=s.end) for s in sample.spans
+                 if s.version.isdigit()] if all(s.version.isdigit() for s in sample.spans) else []
+        version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
+            else self.announced_version
         node_id = session.record(TurnCapture(
             prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
             messages=encoded, message_digests=message_digests, tools=tools, reply=reply, sampling=sampling,
-            metadata=metadata, policy_version=version, finish_reason=finish, started_at=started,
+            metadata=metadata, policy_version=version, version_spans=spans if len(spans) > 1 else [],
+            finish_reason=finish, started_at=started,
             finished_at=finished, prompt_source=prompt.source, prefix_break=prompt.prefix_break))
         answer = Answer(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(started), model=call.model, reply=reply,
                         finish_reason=finish, prompt_tokens=prompt.ids.count, completion_tokens=len(sample.ids),

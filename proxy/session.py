@@ -17,7 +17,16 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, StoredTurn, TrainingTrace, rebuild_turns
+from harness_rl.trace import (
+    PrefixBreak,
+    PromptSource,
+    Reply,
+    Sampling,
+    StoredTurn,
+    TrainingTrace,
+    VersionSpan,
+    rebuild_turns,
+)
 from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
 from proxy.control_api import SessionSummary
 from proxy.store import (
@@ -54,6 +63,7 @@ class TurnCapture:
     sampling: Sampling
     metadata: dict[str, Any]
     policy_version: int | None
+    version_spans: list[VersionSpan]
     finish_reason: str | None
     started_at: float
     finished_at: float
@@ -114,7 +124,8 @@ class Session:
         line = encode_line(StoredTurn(
             node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared),
             tail=token_ids(sequence[base.shared:]), n_prompt=capture.n_prompt, per_token_logps=capture.logps,
-            policy_version=capture.policy_version, finish_reason=capture.finish_reason,
+            policy_version=capture.policy_version, version_spans=capture.version_spans,
+            finish_reason=capture.finish_reason,
             prompt_source=capture.prompt_source, prefix_break=capture.prefix_break, messages_prefix=prefix,
             messages=[msgspec.Raw(m) for m in capture.messages[prefix:]],
             tools=None if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),  # type: ignore[arg-type]
