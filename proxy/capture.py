@@ -69,6 +69,7 @@ class Node:
     has_tools: bool
     started_at: float
     request_key: bytes = b""  # equal for calls with the same messages and tools (retries)
+    tokens: int = 0  # prompt + completion tokens
     arrival: int = 0
     edge: _Edge | None = None
     end: int = 0  # byte offset of the sequence's end inside `edge.seg`

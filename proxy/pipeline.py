@@ -22,7 +22,7 @@ from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
 from proxy.engine_wire import SamplingParams
 from proxy.session import Session, TurnCapture
-from proxy.tito import common_tokens, digests, explain_break, splice_tail
+from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
 from proxy.upstream import ChatRender, EngineClient, Rendered
 
 BUDGET_MESSAGE = "Step budget exhausted; stopping."
@@ -62,7 +62,8 @@ class Gate:
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    ids: Rendered
+    ids: Rendered  # what the engine samples from
+    rendered: Rendered  # the template's rendering of the whole conversation (the same ids unless spliced)
     source: PromptSource
     prefix_break: PrefixBreak | None = None
 
@@ -108,6 +109,7 @@ class CapturePipeline:
         node_id = session.record(TurnCapture(
             prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
             messages=encoded, message_digests=message_digests, tools=tools, reply=reply, sampling=sampling,
+            rendered=fingerprint(prompt.rendered.text),
             metadata=metadata, policy_version=version, version_spans=spans if len(spans) > 1 else [],
             finish_reason=finish, started_at=started,
             finished_at=finished, prompt_source=prompt.source, prefix_break=prompt.prefix_break))
@@ -123,28 +125,32 @@ class CapturePipeline:
         continues one (token in, token out), else the engine's rendering of the whole conversation."""
         continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
             if self.config.tito else None
-        if continued is not None:
-            node_id, reply_at = continued
-            before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
-                                             add_generation_prompt=False)
-            closing, up_to_reply, full = await asyncio.gather(
-                self.engine.closing(), self.engine.render(before), self.engine.render(conversation))
-            earlier = session.graph.sequence(node_id)
-            tail = splice_tail(up_to_reply.text, full.text, token_text([closing[0]]) + closing[1]) \
-                if closing is not None else None
-            if tail is not None and closing is not None:
-                end_of_turn, separator = closing
-                last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
-                close = separator if last == str(end_of_turn).encode() else token_text([end_of_turn]) + separator
-                ids = earlier + close + tail
-                return Prompt(Rendered(ids, ids.count(SEP)), "spliced")
+        if continued is None:
+            full = await self.engine.render(conversation)
+            reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
+                                   session.graph.sequence, self.config.tito)
+            return Prompt(full, full, "rendered", reason)
+        node_id, reply_at = continued
+        closing, full = await asyncio.gather(self.engine.closing(), self.engine.render(conversation))
+        earlier = session.graph.sequence(node_id)
+        tail = None
+        if closing is not None:
+            end_of_turn, separator = closing
+            marker = token_text([end_of_turn]) + separator
+            tail = tail_after(session.replies.calls[node_id].rendered, full.text, marker)
+            if tail is None:  # the template re-rendered the earlier history: find the reply's end the long way
+                before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
+                                                 add_generation_prompt=False)
+                tail = splice_tail((await self.engine.render(before)).text, full.text, marker)
+        if tail is None or closing is None:
             dropped = PrefixBreak(position=common_tokens(earlier, full.text), cause="template_dropped",
                                   against=node_id)
-            return Prompt(full, "rendered", dropped)
-        full = await self.engine.render(conversation)
-        reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
-                               session.graph.sequence, self.config.tito)
-        return Prompt(full, "rendered", reason)
+            return Prompt(full, full, "rendered", dropped)
+        last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
+        close = separator if last == str(end_of_turn).encode() else marker
+        ids = earlier + close + tail
+        count = session.graph.nodes[node_id].tokens + close.count(SEP) + tail.count(SEP)
+        return Prompt(Rendered(ids, count), full, "spliced")
 
 
 def budget_answer(call: ChatCall) -> Answer:

@@ -61,6 +61,7 @@ class TurnCapture:
     tools: bytes | None  # the forwarded tools list, JSON-encoded
     reply: Reply
     sampling: Sampling
+    rendered: tuple[int, int] | None  # proxy.tito.fingerprint of the template's rendering of the conversation
     metadata: dict[str, Any]
     policy_version: int | None
     version_spans: list[VersionSpan]
@@ -116,7 +117,8 @@ class Session:
         message_digests = capture.message_digests
         tools_digest = hash(capture.tools) if capture.tools is not None else None
         node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
-                    capture.started_at, request_key=_request_key(message_digests, tools_digest))
+                    capture.started_at, request_key=_request_key(message_digests, tools_digest),
+                    tokens=capture.n_prompt + len(capture.completion_ids))
         base = self.graph.add(node, sequence)
         base_turn = self.replies.calls.get(base.node_id) if base.node_id else None
         prefix = common_messages(base_turn.message_digests, message_digests) if base_turn else 0
@@ -134,7 +136,7 @@ class Session:
         ))
         self.log.append(line)
         self.turns[node_id] = CapturedTurn(line)
-        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply))
+        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered))
         self._note_continuation(capture.prefix_break)
         return node_id
 
@@ -161,7 +163,8 @@ class Session:
             tools_digest = base.tools_digest if line.tools_inherited and base else (
                 hash(msgspec.json.encode(line.tools)) if line.tools is not None else None)
             node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None,
-                        line.started_at or 0.0, request_key=_request_key(message_digests, tools_digest))
+                        line.started_at or 0.0, request_key=_request_key(message_digests, tools_digest),
+                        tokens=sequence.count(SEP))
             self.graph.add(node, sequence)
             self.turns[line.node_id] = CapturedTurn(raw + b"\n")
             self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply))

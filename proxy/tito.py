@@ -77,14 +77,21 @@ def _bare(call_id: str) -> str:
 
 
 class Remembered:
-    """What a session keeps of one answered call, to recognise its reply when the agent sends it back."""
+    """What a session keeps of one answered call, to recognise its reply when the agent sends it back.
 
-    __slots__ = ("message_digests", "reply", "tools_digest")
+    `rendered` is the length and hash of the template's rendering of the call's conversation (token
+    text): when the next conversation's rendering starts with it, the reply's rendering starts right
+    there, and no second render is needed to find where the new messages begin.
+    """
 
-    def __init__(self, message_digests: bytes, tools_digest: int | None, reply: Reply | None) -> None:
+    __slots__ = ("message_digests", "rendered", "reply", "tools_digest")
+
+    def __init__(self, message_digests: bytes, tools_digest: int | None, reply: Reply | None,
+                 rendered: tuple[int, int] | None = None) -> None:
         self.message_digests = message_digests
         self.tools_digest = tools_digest
         self.reply = reply
+        self.rendered = rendered
 
 
 class ReplyIndex:
@@ -162,6 +169,19 @@ def common_tokens(a: bytes, b: bytes) -> int:
     """Whole tokens two token texts share from the start."""
     shared = common_prefix_len(a, b)
     return a.count(SEP, 0, a.rfind(SEP, 0, shared) + 1) if shared else 0
+
+
+def fingerprint(rendered: bytes) -> tuple[int, int]:
+    return len(rendered), hash(rendered)
+
+
+def tail_after(anchor: tuple[int, int] | None, full: bytes, closing: bytes) -> bytes | None:
+    """The new messages' rendering, when `full` starts with the earlier conversation's rendering (`anchor`):
+    past the first closing of a turn after it (the reply's). None when it does not start so."""
+    if anchor is None or len(full) < anchor[0] or hash(full[:anchor[0]]) != anchor[1]:
+        return None
+    at = (SEP + full).find(SEP + closing, anchor[0])
+    return full[at + len(closing):] if at >= 0 else None
 
 
 def splice_tail(before: bytes, full: bytes, closing: bytes) -> bytes | None:

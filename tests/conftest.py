@@ -73,6 +73,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.capture = True
     fake.drift = False
     fake.drop_reasoning = False
+    fake.open_thinking = False
     return fake
 
 

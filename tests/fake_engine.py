@@ -65,6 +65,7 @@ class FakeEngine:
     capture: bool = True  # False: answer like a vLLM started without the capture flags
     drift: bool = False
     drop_reasoning: bool = False  # like Qwen3: an assistant's reasoning is rendered only in the last message
+    open_thinking: bool = False  # the generation prompt opens a thought the rendered replies do not hold
     script: deque[Scripted] = field(default_factory=deque)
     requests: list[dict[str, Any]] = field(default_factory=list)  # generate bodies
     conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
@@ -93,7 +94,8 @@ class FakeEngine:
             else:
                 out += self._ids(_content(m.get("content")))
             out.append(IM_END)
-        return out + ([IM_START, ROLE_IDS["assistant"]] if add_generation_prompt else [])
+        return out + ([IM_START, ROLE_IDS["assistant"], *([THINK] if self.open_thinking else [])]
+                      if add_generation_prompt else [])
 
     def assistant_ids(self, message: dict[str, Any], reasoning: bool = True) -> list[int]:
         """The ids sampled for an assistant message (what the template renders too, unless it drifts)."""

@@ -93,6 +93,16 @@ def test_a_template_that_drops_earlier_reasoning_still_splices(fake_proxy: Runni
     assert_one_chain(agent.trace(), fake_engine)
 
 
+def test_a_generation_prompt_the_replies_do_not_start_with_still_splices(fake_proxy: RunningProxy,
+                                                                          fake_engine: FakeEngine) -> None:
+    fake_engine.open_thinking = True  # the next conversation's rendering does not start with the last one's
+    agent = Agent(fake_proxy)
+    converse(agent, fake_engine, 3)
+    turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered", "spliced", "spliced"]
+    assert [t.parent_id for t in turns[1:]] == [t.node_id for t in turns[:-1]]
+
+
 def test_tool_call_arguments_reserialised_and_reasoning_dropped_by_the_agent_still_match(
         fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     def agent_rewrites(message: dict) -> dict:
