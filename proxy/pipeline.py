@@ -53,9 +53,10 @@ class Gate:
         if self.in_flight == 0:
             self._idle.set()
 
-    async def pause(self) -> None:
+    async def pause(self, drain: bool = True) -> None:
         self._running.clear()
-        await self._idle.wait()
+        if drain:
+            await self._idle.wait()
 
     def resume(self) -> None:
         self._running.set()

@@ -16,6 +16,8 @@ import pytest
 if TYPE_CHECKING:
     from harness_rl.engine import Engine
 
+pytest_plugins = ["vllm_fixtures"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
