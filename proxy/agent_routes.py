@@ -181,14 +181,14 @@ class AgentRoutes:
     async def gemini(self, request: web.Request) -> web.StreamResponse:
         """`:generateContent`, `:streamGenerateContent?alt=sse` and `:countTokens` of `models/{model}`."""
         session = self.session_of(request)
-        model, _, method = request.match_info["gemini"].rpartition("/")[2].partition(":")
-        method = method.lower()
+        model, _, named = request.match_info["gemini"].rpartition("/")[2].partition(":")
+        method = named.lower()
         if method == "counttokens":
             body = gemini.decode_count_body(await self._body(request), accept_images=self.config.accept_images)
             count = await self._count(gemini.to_call(body, [], model=model, stream=False))
             return web.Response(body=_ENCODER.encode({"totalTokens": count}), content_type="application/json")
         if method not in ("generatecontent", "streamgeneratecontent"):
-            raise ProxyError(404, f"models/{model}:{method} is not served here (generateContent, "
+            raise ProxyError(404, f"models/{model}:{named} is not served here (generateContent, "
                                   "streamGenerateContent, countTokens are)")
         stream = method == "streamgeneratecontent"
         if stream and request.query.get("alt", "").lower() != "sse":

@@ -13,11 +13,9 @@ import pytest
 from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent
 
-from harness_rl.background import serve_proxy
 from harness_rl.trace import Reply, ToolCall
 from proxy import openai_responses
 from proxy.chat import Answer, ChatMessage, assistant_message
-from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -256,16 +254,13 @@ def test_key_routing_and_budget(fake_proxy: RunningProxy, fake_engine: FakeEngin
     assert httpx.post(f"{fake_proxy.url}/v1/responses", json={"input": "x"}).status_code == 401
 
 
-def test_engine_failure_after_keepalives_is_response_failed(fake_engine_server: tuple, fake_engine: FakeEngine,
-                                                            tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), keepalive_s=0.1, retries=0,
-                         upstream_model="fake")
-    with serve_proxy(config) as running:
-        agent = Agent(running)
-        fake_engine.script.append(Scripted(delay_s=0.3, status=503))
-        got = post(agent, {"model": "m", "input": "x", "stream": True})
-        assert got.status_code == 200 and got.text.startswith(": keepalive\n\n")
-        (failed,) = events(got.text.replace(": keepalive\n\n", ""))
-        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
-        assert failed["response"]["error"]["code"] == "server_error" and "HTTP 503" in failed["response"]["error"][
-            "message"]
+def test_engine_failure_after_keepalives_is_response_failed(keepalive_proxy: RunningProxy,
+                                                            fake_engine: FakeEngine) -> None:
+    agent = Agent(keepalive_proxy)
+    fake_engine.script.append(Scripted(delay_s=0.3, status=503))
+    got = post(agent, {"model": "m", "input": "x", "stream": True})
+    assert got.status_code == 200 and got.text.startswith(": keepalive\n\n")
+    (failed,) = events(got.text.replace(": keepalive\n\n", ""))
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    error = failed["response"]["error"]
+    assert error["code"] == "server_error" and "HTTP 503" in error["message"]
