@@ -196,8 +196,8 @@ def test_generation_config_tool_config_and_google_schemas(fake_proxy: RunningPro
     sent = fake_engine.requests[-1]
     assert sent["messages"][0] == {"role": "system", "content": "one\ntwo"}
     assert sent["tools"][0]["function"]["parameters"] == {
-        "type": "object", "properties": {"cmd": {"type": "string"}, "n": {"type": "array", "items": {"type": "integer"}}},
-        "required": ["cmd"]}
+        "type": "object", "required": ["cmd"],
+        "properties": {"cmd": {"type": "string"}, "n": {"type": "array", "items": {"type": "integer"}}}}
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "bash"}}
     assert sent["max_tokens"] == 9 and sent["stop"] == ["END"]
     turn = agent.trace().turns[0]
