@@ -68,8 +68,12 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake = fake_engine_server[0]
     fake.script.clear()
     fake.requests.clear()
+    fake.conversations.clear()
     fake.version = None
     fake.capture = True
+    fake.drift = False
+    fake.drop_reasoning = False
+    fake.open_thinking = False
     return fake
 
 
