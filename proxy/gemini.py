@@ -11,10 +11,10 @@ hosted tools (Google Search, code execution, ...) are dropped and named on the c
 
 Answers are rendered so an agent echoing them yields the assistant message the proxy answered with:
 each `functionCall` carries the engine's tool-call id, and the reasoning is also sealed into the
-`thoughtSignature` of the answer's first non-thought part (`proxy.opaque_reasoning`), because
+`thoughtSignature` of the answer's first call, else its text (`proxy.opaque_reasoning`), because
 gemini-cli drops thought parts from its history but keeps signatures. A call echoed without an id
-gets a stable one from its position; a `functionResponse` without an id answers the oldest open
-call of that name.
+keeps none (an empty id, which reply matching skips); a `functionResponse` without an id answers
+the oldest open call of that name.
 """
 
 from __future__ import annotations
@@ -237,9 +237,9 @@ def chat_messages(body: GenerateBody) -> list[ChatMessage]:
     if text:
         out.append(ChatMessage(role="system", content=text))
     open_calls: defaultdict[str, deque[str]] = defaultdict(deque)  # unanswered call ids by function name
-    for i, content in enumerate(body.contents):
+    for content in body.contents:
         if content.role == "model":
-            message = _assistant_message(content.parts, i)
+            message = _assistant_message(content.parts)
             for call in message.tool_calls or ():
                 open_calls[call.function.name].append(call.id)
             out.append(message)
@@ -248,17 +248,17 @@ def chat_messages(body: GenerateBody) -> list[ChatMessage]:
     return out
 
 
-def _assistant_message(parts: list[Part], index: int) -> ChatMessage:
+def _assistant_message(parts: list[Part]) -> ChatMessage:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[MessageToolCall] = []
-    for k, part in enumerate(parts):
+    for part in parts:
         if part.text is not None:
             (thoughts if part.thought else texts).append(part.text)
         elif part.function_call is not None:
             call = part.function_call
             function = FunctionCall(call.name, json.dumps(call.args, ensure_ascii=False))
-            calls.append(MessageToolCall(id=call.id or f"call_{index}_{k}", function=function))
+            calls.append(MessageToolCall(id=call.id or "", function=function))  # no id: none to match on
     sealed = (opaque_reasoning.unwrap(p.thought_signature) for p in parts)
     reasoning = "".join(thoughts) if thoughts else next((r for r in sealed if r is not None), None)
     return ChatMessage(role="assistant", content="".join(texts) if texts or not calls else None,
@@ -273,7 +273,7 @@ def _user_messages(parts: list[Part], open_calls: defaultdict[str, deque[str]]) 
         result = part.function_response
         if result is not None:
             pending = open_calls[result.name]
-            call_id = result.id or (pending[0] if pending else f"call_{result.name}")
+            call_id = result.id or (pending[0] if pending else "")
             if call_id in pending:
                 pending.remove(call_id)
             out.append(ChatMessage(role="tool", tool_call_id=call_id, content=_result_text(result.response)))

@@ -103,20 +103,23 @@ def test_an_echoed_answer_is_the_assistant_message_it_answered(reply: Reply, ech
     assert [m.tool_call_id for m in call.messages[2:] if m.role == "tool"] == [c.id for c in reply.tool_calls]
 
 
-def test_calls_echoed_without_ids_pair_with_their_results_by_name() -> None:
+def test_results_without_ids_answer_the_oldest_open_call_of_their_name() -> None:
     contents = [{"role": "user", "parts": [{"text": "go"}]},
-                {"role": "model", "parts": [{"functionCall": {"name": "a", "args": {}}},
-                                            {"functionCall": {"name": "b", "args": {"x": 1}}},
-                                            {"functionCall": {"name": "a", "args": {"y": 2}}}]},
+                {"role": "model", "parts": [{"functionCall": {"name": "a", "args": {}, "id": "c1"}},
+                                            {"functionCall": {"name": "b", "args": {"x": 1}, "id": "c2"}},
+                                            {"functionCall": {"name": "a", "args": {"y": 2}, "id": "c3"}},
+                                            {"functionCall": {"name": "d", "args": {}}}]},
                 {"role": "user", "parts": [{"functionResponse": {"name": "b", "response": {"output": "B"}}},
                                            {"functionResponse": {"name": "a", "response": {"output": "A1"}}},
-                                           {"functionResponse": {"name": "a", "response": {"error": "no"}}}]}]
+                                           {"functionResponse": {"name": "a", "response": {"error": "no"}}},
+                                           {"functionResponse": {"name": "d", "response": {"n": 1}}},
+                                           {"text": "and?"}]}]
     body, _ = gemini.decode_body(msgspec.json.encode({"contents": contents}))
     messages = gemini.chat_messages(body)
-    ids = [c.id for c in messages[1].tool_calls or ()]
-    assert ids == ["call_1_0", "call_1_1", "call_1_2"]  # stable: the same history gives the same ids
-    assert [(m.tool_call_id, m.content) for m in messages[2:]] == [("call_1_1", "B"), ("call_1_0", "A1"),
-                                                                   ("call_1_2", "Error: no")]
+    assert [c.id for c in messages[1].tool_calls or ()] == ["c1", "c2", "c3", ""]  # an id never sent stays empty
+    assert [(m.role, m.tool_call_id, m.content) for m in messages[2:]] == [
+        ("tool", "c2", "B"), ("tool", "c1", "A1"), ("tool", "c3", "Error: no"), ("tool", "", '{"n": 1}'),
+        ("user", None, "and?")]
 
 
 def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
@@ -126,7 +129,7 @@ def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake
     got = post(agent, first, "streamGenerateContent")
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/event-stream")
     (chunk,) = chunks(got.text)
-    sent = fake_engine.requests[-1]
+    sent = fake_engine.conversations[-1]
     assert sent["messages"] == [
         {"role": "system", "content": first["systemInstruction"]["parts"][0]["text"]},
         {"role": "user", "content": [{"type": "text", "text": p["text"]} for p in first["contents"][0]["parts"]]}]
@@ -147,12 +150,13 @@ def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake
     fake_engine.script.append(Scripted(content="Wrote hello.txt."))
     final = chunks(post(agent, second, "streamGenerateContent").text)
     assert final[-1]["candidates"][0]["content"]["parts"] == [{"text": "Wrote hello.txt."}]
-    sent = fake_engine.requests[-1]["messages"]
+    sent = fake_engine.conversations[-1]["messages"]
     assert sent[2]["tool_calls"][0]["id"] == call_id
     assert sent[3] == {"role": "tool", "tool_call_id": call_id,
                        "content": second["contents"][2]["parts"][0]["functionResponse"]["response"]["output"]}
     t1, t2 = agent.trace().turns
     assert t2.parent_id == t1.node_id and t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert (t1.prompt_source, t2.prompt_source) == ("rendered", "spliced") and t2.prefix_break is None
     assert chunk["usageMetadata"] == {"promptTokenCount": len(t1.prompt_token_ids),
                                       "candidatesTokenCount": len(t1.completion_token_ids),
                                       "totalTokenCount": len(t1.sequence)}
@@ -193,13 +197,14 @@ def test_generation_config_tool_config_and_google_schemas(fake_proxy: RunningPro
                                  "stopSequences": ["END"], "responseMimeType": "text/plain"},
             "safetySettings": []}
     assert post(agent, body).status_code == 200
-    sent = fake_engine.requests[-1]
+    sent = fake_engine.conversations[-1]
     assert sent["messages"][0] == {"role": "system", "content": "one\ntwo"}
     assert sent["tools"][0]["function"]["parameters"] == {
         "type": "object", "required": ["cmd"],
         "properties": {"cmd": {"type": "string"}, "n": {"type": "array", "items": {"type": "integer"}}}}
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "bash"}}
-    assert sent["max_tokens"] == 9 and sent["stop"] == ["END"]
+    sampling = fake_engine.requests[-1]["sampling_params"]
+    assert sampling["max_tokens"] == 9 and sampling["stop"] == ["END"]
     turn = agent.trace().turns[0]
     assert turn.metadata["ignored_fields"] == ["safetySettings", "generationConfig.responseMimeType",
                                                "tools.googleSearch"]
@@ -251,3 +256,27 @@ def test_engine_failure_after_keepalives_is_a_bare_error(keepalive_proxy: Runnin
     assert got.status_code == 200 and got.text.startswith("\n")  # blank-line keep-alives: no SSE comments
     error = json.loads(got.text.strip())["error"]
     assert error["code"] == 502 and error["status"] == "UNAVAILABLE" and "HTTP 503" in error["message"]
+
+
+def test_gemini_cli_echo_without_thoughts_splices(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """The template re-renders replies differently (drift): only the echo matching the answer keeps one chain,
+    and gemini-cli's echo has lost the thought part."""
+    fake_engine.drift = True
+    agent = Agent(fake_proxy)
+    tools = [{"functionDeclarations": [{"name": "run_shell_command", "parametersJsonSchema": {"type": "object"}}]}]
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": "go"}]}]
+    fake_engine.script.append(Scripted(tool=("run_shell_command", {"command": "ls"}), reasoning="Look first."))
+    parts = [p for c in chunks(post(agent, {"contents": contents, "tools": tools}, "streamGenerateContent").text)
+             for p in c["candidates"][0]["content"]["parts"]]
+    echoed = as_gemini_cli_echoes(parts)
+    assert [list(p) for p in echoed] == [["functionCall", "thoughtSignature"]]
+    call = echoed[0]["functionCall"]
+    contents += [{"role": "model", "parts": echoed},
+                 {"role": "user", "parts": [{"functionResponse": {"name": call["name"], "id": call["id"],
+                                                                  "response": {"output": "a.txt"}}}]}]
+    fake_engine.script.append(Scripted(content="Done."))
+    assert post(agent, {"contents": contents, "tools": tools}, "streamGenerateContent").status_code == 200
+    t1, t2 = agent.trace().turns
+    assert t2.prompt_source == "spliced" and t2.parent_id == t1.node_id and t2.prefix_break is None
+    assert t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert t2.request.messages[1]["reasoning"] == "Look first."

@@ -114,7 +114,7 @@ def test_codex_requests_translate_and_splice(fake_proxy: RunningProxy, fake_engi
     got = post(agent, first)
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/event-stream")
     stream = events(got.text)
-    sent = fake_engine.requests[-1]
+    sent = fake_engine.conversations[-1]
     assert [m["role"] for m in sent["messages"]] == ["system", "system", "user", "user"]
     assert sent["messages"][1]["content"] == [{"type": "text", "text": p["text"]}
                                               for p in first["input"][1]["content"]]
@@ -135,11 +135,12 @@ def test_codex_requests_translate_and_splice(fake_proxy: RunningProxy, fake_engi
     second["input"][5]["call_id"] = done[0]["call_id"]
     fake_engine.script.append(Scripted(content="Wrote hello.txt."))
     assert fixture_call["type"] == "function_call" and post(agent, second).status_code == 200
-    sent = fake_engine.requests[-1]["messages"]
+    sent = fake_engine.conversations[-1]["messages"]
     assert sent[4]["tool_calls"][0]["id"] == done[0]["call_id"]
     assert sent[5] == {"role": "tool", "tool_call_id": done[0]["call_id"], "content": second["input"][5]["output"]}
     t1, t2 = agent.trace().turns
     assert t2.parent_id == t1.node_id and t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert (t1.prompt_source, t2.prompt_source) == ("rendered", "spliced") and t2.prefix_break is None
     usage = completed["response"]["usage"]
     assert usage == {"input_tokens": len(t1.prompt_token_ids), "input_tokens_details": {"cached_tokens": 0},
                      "output_tokens": len(t1.completion_token_ids), "output_tokens_details": {"reasoning_tokens": 0},
@@ -193,7 +194,7 @@ def test_previous_response_id_continues_within_the_session(fake_proxy: RunningPr
     second = post(agent, {"model": "m", "instructions": "Be kind.", "input": "more",
                           "previous_response_id": first["id"]}).json()
     assert second["output"][0]["content"][0]["text"] == "More."
-    assert fake_engine.requests[-1]["messages"] == [
+    assert fake_engine.conversations[-1]["messages"] == [
         {"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "more"}]
     t1, t2 = agent.trace().turns
@@ -215,14 +216,15 @@ def test_tools_flat_namespaced_and_hosted(fake_proxy: RunningProxy, fake_engine:
             "tools": tools, "tool_choice": {"type": "function", "name": "exec_command"}, "temperature": 0.5,
             "max_output_tokens": 7, "store": False}
     assert post(agent, body).status_code == 200
-    sent = fake_engine.requests[-1]
+    sent = fake_engine.conversations[-1]
     assert sent["tools"] == [
         {"type": "function", "function": {"name": "exec_command", "description": "run", "parameters": schema,
                                           "strict": False}},
         {"type": "function", "function": {"name": "spawn_agent", "parameters": {"type": "object"}}}]
     assert sent["tool_choice"] == {"type": "function", "function": {"name": "exec_command"}}
     assert sent["messages"][0] == {"role": "system", "content": "sys"}
-    assert sent["max_tokens"] == 7 and sent["temperature"] == 1.0  # the proxy's sampling policy decides
+    sampling = fake_engine.requests[-1]["sampling_params"]
+    assert sampling["max_tokens"] == 7 and sampling["temperature"] == 1.0  # the proxy's sampling policy decides
     turn = agent.trace().turns[0]
     assert turn.metadata["ignored_fields"] == ["store", "tools.web_search"]
     assert turn.sampling.requested == {"temperature": 0.5, "max_tokens": 7}
@@ -264,3 +266,24 @@ def test_engine_failure_after_keepalives_is_response_failed(keepalive_proxy: Run
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     error = failed["response"]["error"]
     assert error["code"] == "server_error" and "HTTP 503" in error["message"]
+
+
+def test_codex_echo_of_reasoning_and_call_splices(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """The template re-renders replies differently (drift): only the echo matching the answer keeps one chain."""
+    fake_engine.drift = True
+    agent = Agent(fake_proxy)
+    tools = [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}}]
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                    "text": "go"}]}]
+    fake_engine.script.append(Scripted(tool=("exec_command", {"cmd": "ls"}), reasoning="Look first."))
+    first = events(post(agent, {"model": "m", "input": items, "tools": tools, "stream": True}).text)
+    done = [e["item"] for e in first if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["reasoning", "function_call"]
+    items += [as_codex_echoes(i) for i in done]
+    items.append({"type": "function_call_output", "call_id": done[1]["call_id"], "output": "a.txt"})
+    fake_engine.script.append(Scripted(content="Done."))
+    assert post(agent, {"model": "m", "input": items, "tools": tools, "stream": True}).status_code == 200
+    t1, t2 = agent.trace().turns
+    assert t2.prompt_source == "spliced" and t2.parent_id == t1.node_id and t2.prefix_break is None
+    assert t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert t2.request.messages[1]["reasoning"] == "Look first."

@@ -192,6 +192,7 @@ def test_openai_responses_sdk_function_call_round_trip_stream_and_not(proxy: Run
     assert_turn_is_the_engines(engine_url, t1, TOOL_TEXT)
     assert_turn_is_the_engines(engine_url, t2, "All done.")
     assert t2.parent_id == t1.node_id and t3.parent_id == t2.node_id
+    assert [t.prompt_source for t in trace.turns] == ["rendered", "spliced", "spliced"]  # previous_response_id too
     assert t3.prompt_token_ids[:len(t2.sequence)] == t2.sequence
     assert (first.usage.input_tokens, first.usage.output_tokens) == (len(t1.prompt_token_ids),
                                                                      len(t1.completion_token_ids))
@@ -229,6 +230,7 @@ def test_google_genai_sdk_function_call_round_trip_stream_and_not(proxy: Running
     assert_turn_is_the_engines(engine_url, t1, TOOL_TEXT)
     assert_turn_is_the_engines(engine_url, t2, "All done.")
     assert t2.parent_id == t1.node_id and t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert [t.prompt_source for t in trace.turns] == ["rendered", "spliced", "rendered"]
     assert t2.request.messages[3] == {"role": "tool", "tool_call_id": t1.reply.tool_calls[0].id, "content": "README.md"}
     assert (usage.prompt_token_count, usage.candidates_token_count) == (len(t2.prompt_token_ids),
                                                                         len(t2.completion_token_ids))
