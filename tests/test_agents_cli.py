@@ -1,4 +1,5 @@
-"""Real agent CLIs end to end: opencode, Claude Code and mini-swe-agent each solve a shipped task.
+"""Real agent CLIs end to end: opencode, Claude Code, mini-swe-agent, codex (OpenAI Responses),
+gemini-cli (Google Gemini), qwen-coder, pi and aider each solve a shipped task.
 
 Each runs in the local sandbox (bubblewrap with `network="proxy-only"` when bubblewrap is
 installed: the agent can reach the proxy and nothing else) through the proxy and the embedded
@@ -89,6 +90,22 @@ async def run_once(proxy: RunningProxy, harness: str, task: Task) -> RolloutOutc
         return await RolloutScheduler([task], client, config, harness=create_harness(harness)).run_rollout(task, 0, 0)
 
 
+def assert_sampled_by_the_engine(engine_url: str, outcome: RolloutOutcome, forced: list[str]) -> None:
+    """Each agent turn's completion and logprobs are what the engine gives for the turn's prompt and forced
+    text, and every turn after the first was spliced (token in, token out), not re-rendered."""
+    agents = [t for t in outcome.trace.turns if t.role == "agent"]
+    assert [t.prompt_source for t in agents] == ["rendered"] + ["spliced"] * (len(agents) - 1)
+    for turn, text in zip(agents, forced, strict=True):
+        has_tools = bool(turn.request.tools)
+        force(engine_url, tools=[text] if has_tools else [], no_tools=[] if has_tools else [text])
+        body = {"token_ids": turn.prompt_token_ids, "sampling_params": {
+            "temperature": turn.sampling.temperature, "max_tokens": turn.sampling.max_tokens, "logprobs": 0,
+            "skip_special_tokens": False}}
+        got = httpx.post(f"{engine_url}/inference/v1/generate", json=body, timeout=300).json()["choices"][0]
+        assert turn.completion_token_ids == got["token_ids"]
+        assert turn.per_token_logps == pytest.approx([e["logprob"] for e in got["logprobs"]["content"]], abs=1e-4)
+
+
 def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     """Reward 1, a valid trace with `agent_turns` linked agent turns, exact masks, and rows the learner takes."""
     assert outcome.error is None, outcome.error
@@ -143,3 +160,54 @@ async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: Run
     assert outcome.tool_calls_by_name == {"bash": 2} and outcome.tool_failure_count == 0
     assert outcome.completion == "Submitted"
     assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+
+
+async def test_codex_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
+    forced = [tool_call("exec_command", {"cmd": GREETING}), "Wrote greeting.txt."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, "codex", load_task(TASKS / "write-greeting"))
+    assert_trainable(outcome, agent_turns=2)
+    assert outcome.tool_calls_by_name == {"command_execution": 1} and outcome.tool_failure_count == 0
+    assert outcome.completion == "Wrote greeting.txt."
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert outcome.trace.turns[0].metadata["dialect"] == "openai_responses"
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+async def test_gemini_cli_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
+    forced = [tool_call("run_shell_command", {"command": FIX}), "Fixed the bug."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, "gemini-cli", load_task(TASKS / "fix-off-by-one"))
+    assert_trainable(outcome, agent_turns=2)
+    assert outcome.tool_calls_by_name == {"run_shell_command": 1} and outcome.tool_failure_count == 0
+    assert outcome.completion == "Fixed the bug."
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert outcome.trace.turns[0].metadata["dialect"] == "google_gemini"
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+@pytest.mark.parametrize(("harness", "tool", "task", "command"), [
+    ("qwen-coder", "run_shell_command", "write-greeting", GREETING), ("pi", "bash", "fix-off-by-one", FIX)])
+async def test_chat_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str, harness: str, tool: str,
+                                      task: str, command: str) -> None:
+    forced = [tool_call(tool, {"command": command}), "Done."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, harness, load_task(TASKS / task))
+    assert_trainable(outcome, agent_turns=2)
+    assert outcome.tool_calls_by_name == {tool: 1} and outcome.tool_failure_count == 0
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+async def test_aider_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
+    """aider has no tools: its edit is the reply's text, a file name then the whole content in a fence."""
+    forced = ["greeting.txt\n```\nhello harness-rl\n```\n"]
+    force(engine_url, tools=[], no_tools=forced)
+    outcome = await run_once(proxy, "aider", load_task(TASKS / "write-greeting"))
+    assert outcome.error is None and outcome.reward == 1.0 and outcome.exit_code == 0
+    trace = outcome.trace.validate()
+    assert [t.role for t in trace.turns] == ["agent"] and not trace.turns[0].request.tools
+    turn = trace.turns[0]
+    assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+    assert outcome.tool_calls_by_name == {"edit": 1}
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
