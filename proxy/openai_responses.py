@@ -158,9 +158,8 @@ def check_body(body: ResponsesBody, *, accept_images: bool) -> None:
                  *(item.output if isinstance(item.output, list) else ())]
         if not accept_images and any(isinstance(p, InputImage | InputFile) for p in parts):
             raise ProxyError(400, f"input[{i}]: the served model takes no images or files, only text")
-    for i, tool in enumerate(_all_tools(body.tools)):
-        if tool.type == "function" and not tool.name:
-            raise ProxyError(400, f"tools[{i}].name: required for a function tool")
+    if any(tool.type == "function" and not tool.name for tool in _all_tools(body.tools)):
+        raise ProxyError(400, "tools: every function tool needs a name")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise ProxyError(400, "max_output_tokens: must be at least 1")
 

@@ -162,27 +162,20 @@ async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: Run
     assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
 
 
-async def test_codex_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    forced = [tool_call("exec_command", {"cmd": GREETING}), "Wrote greeting.txt."]
+@pytest.mark.parametrize(("harness", "call", "task", "counted", "dialect"), [
+    ("codex", ("exec_command", {"cmd": GREETING}), "write-greeting", "command_execution", "openai_responses"),
+    ("gemini-cli", ("run_shell_command", {"command": FIX}), "fix-off-by-one", "run_shell_command", "google_gemini")])
+async def test_responses_and_gemini_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str,
+                                                      harness: str, call: tuple[str, dict], task: str, counted: str,
+                                                      dialect: str) -> None:
+    forced = [tool_call(*call), "Finished the task."]
     force(engine_url, tools=forced)
-    outcome = await run_once(proxy, "codex", load_task(TASKS / "write-greeting"))
+    outcome = await run_once(proxy, harness, load_task(TASKS / task))
     assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"command_execution": 1} and outcome.tool_failure_count == 0
-    assert outcome.completion == "Wrote greeting.txt."
+    assert outcome.tool_calls_by_name == {counted: 1} and outcome.tool_failure_count == 0
+    assert outcome.completion == "Finished the task."
     assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
-    assert outcome.trace.turns[0].metadata["dialect"] == "openai_responses"
-    assert_sampled_by_the_engine(engine_url, outcome, forced)
-
-
-async def test_gemini_cli_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    forced = [tool_call("run_shell_command", {"command": FIX}), "Fixed the bug."]
-    force(engine_url, tools=forced)
-    outcome = await run_once(proxy, "gemini-cli", load_task(TASKS / "fix-off-by-one"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"run_shell_command": 1} and outcome.tool_failure_count == 0
-    assert outcome.completion == "Fixed the bug."
-    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
-    assert outcome.trace.turns[0].metadata["dialect"] == "google_gemini"
+    assert {t.metadata["dialect"] for t in outcome.trace.turns} == {dialect}
     assert_sampled_by_the_engine(engine_url, outcome, forced)
 
 

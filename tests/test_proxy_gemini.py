@@ -11,11 +11,11 @@ import httpx
 import msgspec
 import pytest
 from fake_engine import FakeEngine, Scripted
-from proxy_agent import Agent
+from proxy_agent import Agent, comparable
 
 from harness_rl.trace import Reply, ToolCall
 from proxy import gemini
-from proxy.chat import Answer, ChatMessage, assistant_message
+from proxy.chat import Answer, assistant_message
 from proxy.server import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -64,13 +64,6 @@ def as_sdk_echoes(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return parts
 
 
-def neutral(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = msgspec.to_builtins(message)
-    for call in out.get("tool_calls", ()):
-        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    return out
-
-
 REPLIES = [
     Reply(content="All done."),
     Reply(content="Let me look.", reasoning="The user wants a listing."),
@@ -99,7 +92,7 @@ def test_an_echoed_answer_is_the_assistant_message_it_answered(reply: Reply, ech
     body, ignored = gemini.decode_body(msgspec.json.encode({"contents": contents}))
     call = gemini.to_call(body, ignored, model="policy", stream=stream)
     assert [m.role for m in call.messages] == ["user", "assistant", *(["tool"] * len(calls) or ["user"])]
-    assert neutral(call.messages[1]) == neutral(assistant_message(reply))
+    assert comparable(call.messages[1]) == comparable(assistant_message(reply))
     assert [m.tool_call_id for m in call.messages[2:] if m.role == "tool"] == [c.id for c in reply.tool_calls]
 
 

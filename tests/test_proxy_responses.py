@@ -11,11 +11,11 @@ import httpx
 import msgspec
 import pytest
 from fake_engine import FakeEngine, Scripted
-from proxy_agent import Agent
+from proxy_agent import Agent, comparable
 
 from harness_rl.trace import Reply, ToolCall
 from proxy import openai_responses
-from proxy.chat import Answer, ChatMessage, assistant_message
+from proxy.chat import Answer, assistant_message
 from proxy.server import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -64,14 +64,6 @@ def as_pi_echoes(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "arguments": json.dumps(json.loads(item["arguments"]), separators=(",", ":"))}
 
 
-def neutral(message: ChatMessage) -> dict[str, Any]:
-    """A message for comparison, tool-call arguments parsed (the same JSON, however it was spelled)."""
-    out: dict[str, Any] = msgspec.to_builtins(message)
-    for call in out.get("tool_calls", ()):
-        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    return out
-
-
 REPLIES = [
     Reply(content="All done."),
     Reply(content="Let me look.", reasoning="The user wants a file listing."),
@@ -102,7 +94,7 @@ def test_an_echoed_answer_is_the_assistant_message_it_answered(reply: Reply, ech
                                          *([] if calls else [{"role": "user", "content": "next"}])]}
     call, _ = openai_responses.to_call(openai_responses.decode_body(msgspec.json.encode(body))[0], [], [])
     assert [m.role for m in call.messages] == ["user", "assistant", *(["tool"] * len(calls) or ["user"])]
-    assert neutral(call.messages[1]) == neutral(assistant_message(reply))
+    assert comparable(call.messages[1]) == comparable(assistant_message(reply))
     if echo is not as_pi_echoes:  # byte-identical arguments and the engine's ids
         assert call.messages[1] == assistant_message(reply)
 
