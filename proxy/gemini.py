@@ -112,7 +112,8 @@ class Tool(msgspec.Struct, rename="camel", kw_only=True):
     enterprise_web_search: Any = None
 
 
-HOSTED_TOOLS = tuple(name for name in Tool.__struct_fields__ if name != "function_declarations")
+HOSTED_TOOLS = {name: json_name for name, json_name in zip(Tool.__struct_fields__, Tool.__struct_encode_fields__,
+                                                            strict=True) if name != "function_declarations"}
 
 
 class FunctionCallingConfig(msgspec.Struct, rename="camel", kw_only=True):
@@ -178,7 +179,7 @@ def decode_body(data: bytes, *, accept_images: bool = False) -> tuple[GenerateBo
             raise ProxyError(400, f"{snake}: send it as {camel} (the proxy reads the camelCase JSON names)")
     check_body(body, accept_images=accept_images)
     config = sorted("generationConfig." + k for k in set(_CONFIG_KEYS.decode(data).generation_config) - _CONFIG_KNOWN)
-    hosted = sorted({"tools." + _camel(name) for tool in body.tools or () for name in HOSTED_TOOLS
+    hosted = sorted({"tools." + json_name for tool in body.tools or () for name, json_name in HOSTED_TOOLS.items()
                      if getattr(tool, name) is not None})
     return body, sorted(keys - _KNOWN) + config + hosted
 
@@ -189,11 +190,6 @@ def decode_count_body(data: bytes, *, accept_images: bool = False) -> GenerateBo
         contents=body.contents, system_instruction=body.system_instruction, tools=body.tools)
     check_body(inner, accept_images=accept_images)
     return inner
-
-
-def _camel(name: str) -> str:
-    first, *rest = name.split("_")
-    return first + "".join(word.title() for word in rest)
 
 
 def check_body(body: GenerateBody, *, accept_images: bool) -> None:
