@@ -98,6 +98,7 @@ class AgentRoutes:
             router.add_post(prefix + "/v1/messages", self.messages)
             router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
             router.add_post(prefix + "/v1/responses", self.responses)
+            router.add_post(prefix + "/v1/responses/input_tokens", self.responses_input_tokens)
             router.add_post(prefix + GEMINI_PATH, self.gemini)
             router.add_get(prefix + "/v1/models", self.models)
         for path in ("/s/{sid}", "/s/{sid}/", "/s/{sid}/v1"):
@@ -177,6 +178,14 @@ class AgentRoutes:
         call, conversation = openai_responses.to_call(body, ignored, history)
         return await self._answer(request, session, call, harness_headers(request, None),
                                   lambda answer: self.responses_memory.remember(session, conversation, answer))
+
+    async def responses_input_tokens(self, request: web.Request) -> web.Response:
+        """The exact prompt length the same `/v1/responses` request would have."""
+        session = self.session_of(request)
+        body, _ = openai_responses.decode_body(await self._body(request), accept_images=self.config.accept_images)
+        call, _ = openai_responses.to_call(body, [], self.responses_memory.history(session, body.previous_response_id))
+        body_out = {"object": "response.input_tokens", "input_tokens": await self._count(call)}
+        return web.Response(body=_ENCODER.encode(body_out), content_type="application/json")
 
     async def gemini(self, request: web.Request) -> web.StreamResponse:
         """`:generateContent`, `:streamGenerateContent?alt=sse` and `:countTokens` of `models/{model}`."""

@@ -279,3 +279,13 @@ def test_codex_echo_of_reasoning_and_call_splices(fake_proxy: RunningProxy, fake
     assert t2.prompt_source == "spliced" and t2.parent_id == t1.node_id and t2.prefix_break is None
     assert t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
     assert t2.request.messages[1]["reasoning"] == "Look first."
+
+
+def test_input_tokens_is_the_engines_exact_count(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    agent = Agent(fake_proxy)
+    body = {"model": "m", "instructions": "Be brief.", "input": [{"role": "user", "content": "count me"}],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
+    counted = httpx.post(f"{agent.base}/responses/input_tokens", json=body, headers=agent.auth)
+    assert post(agent, body).status_code == 200
+    (turn,) = agent.trace().turns  # counting is never recorded
+    assert counted.json() == {"object": "response.input_tokens", "input_tokens": len(turn.prompt_token_ids)}

@@ -177,6 +177,7 @@ def test_openai_responses_sdk_function_call_round_trip_stream_and_not(proxy: Run
     assert first.status == "completed" and first.usage.input_tokens > 0 and first.usage.output_tokens > 0
     items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
                                                    "output": "README.md"}]
+    counted = client.responses.input_tokens.count(model="policy", input=items, tools=RESPONSES_TOOLS)
     with client.responses.stream(model="policy", input=items, tools=RESPONSES_TOOLS) as stream:
         kinds = [event.type for event in stream]
         second = stream.get_final_response()
@@ -196,6 +197,7 @@ def test_openai_responses_sdk_function_call_round_trip_stream_and_not(proxy: Run
     assert t3.prompt_token_ids[:len(t2.sequence)] == t2.sequence
     assert (first.usage.input_tokens, first.usage.output_tokens) == (len(t1.prompt_token_ids),
                                                                      len(t1.completion_token_ids))
+    assert counted.input_tokens == len(t2.prompt_token_ids)  # exact: the engine's own template
     assert t1.request.messages[0] == {"role": "system", "content": "You are a coding agent."}
     assert t1.metadata["dialect"] == "openai_responses"
 
