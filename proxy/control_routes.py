@@ -87,7 +87,7 @@ class ControlRoutes:
             else self.config.default_max_tokens_per_turn)
         base = f"{self.base_url(request)}/s/{session.id}"
         return json_response(SessionInfo(id=session.id, key=session.key, openai_base_url=base + "/v1",
-                                         anthropic_base_url=base), status=201)
+                                         anthropic_base_url=base, gemini_base_url=base), status=201)
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         self._admin(request)
