@@ -14,7 +14,10 @@ off (every prompt rendered from the messages). Printed per mode, from the captur
 - untrained sampled tokens: sampled tokens no learner row will train;
 - forwarded learner tokens (the learner's rows) vs a perfect chain (one row per conversation).
 
-    python benchmarks/drift_bench.py [--conversations 24] [--turns 5]
+    python benchmarks/drift_bench.py [--conversations 24] [--turns 5] [--engine URL]
+
+`--engine URL` drives an engine already serving (real vLLM with `harness-rl serve vllm`) instead:
+replies are then whatever its model samples, tool calls included only where it writes them.
 """
 
 from __future__ import annotations
@@ -115,37 +118,51 @@ def measure(traces: list[TrainingTrace]) -> dict[str, float]:
         forwarded += sum(len(r) for r in rows)
         perfect += len(turns[-1].sequence) if turns else 0
     return {"chained": chained, "transitions": transitions, "discarded": discarded, "turns": sum(len(t.turns)
-            for t in traces), "untrained": untrained, "sampled": sampled, "forwarded": forwarded, "perfect": perfect}
+            for t in traces), "untrained": untrained, "sampled": sampled, "forwarded": forwarded, "perfect": perfect,
+            "tool_calls": sum(len(t.reply.tool_calls) for trace in traces for t in trace.turns if t.reply)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--conversations", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=5)
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    work = Path(tempfile.mkdtemp(prefix="drift-bench-"))
+def run_embedded(work: Path, conversations: int, turns: int) -> dict[bool, dict[str, float]]:
+    """Both modes against the embedded engine, tool calls forced as compact JSON."""
     engine = Engine.from_pretrained(build_tiny_model(work / "tiny", seed=0), served_model_name="tiny")
-    started = time.monotonic()
     results = {}
     with serve_in_thread(engine, forced_completions=True) as server:
         for tito in (True, False):
-            tool_turns = args.turns * sum(1 for i in range(args.conversations) if i % len(KINDS) != 0)
+            tool_turns = turns * sum(1 for i in range(conversations) if i % len(KINDS) != 0)
             httpx.delete(f"{server.url}/forced_completions")
             httpx.post(f"{server.url}/forced_completions", json={"tools": [forced_call(i) for i in range(tool_turns)],
                                                                  "no_tools": []}).raise_for_status()
-            results[tito] = measure(run_mode(server.url, work / f"store-{tito}", tito, args.conversations, args.turns))
+            results[tito] = measure(run_mode(server.url, work / f"store-{tito}", tito, conversations, turns))
     engine.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[bool, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--engine", help="an engine already serving (e.g. real vLLM); default: the embedded one")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = Path(tempfile.mkdtemp(prefix="drift-bench-"))
+    started = time.monotonic()
+    if args.engine:
+        results = {tito: measure(run_mode(args.engine, work / f"store-{tito}", tito, args.conversations, args.turns))
+                   for tito in (True, False)}
+    else:
+        results = run_embedded(work, args.conversations, args.turns)
     load = os.getloadavg()
-    print(f"{args.conversations} conversations x {args.turns} turns ({', '.join(KINDS)}), 4 at once, tiny model; "
-          f"{time.monotonic() - started:.0f}s; load average {load[0]:.1f} {load[1]:.1f}")
+    print(f"{args.conversations} conversations x {args.turns} turns ({', '.join(KINDS)}), 4 at once, "
+          f"{args.engine or 'embedded engine'}, tiny model; {time.monotonic() - started:.0f}s; "
+          f"load average {load[0]:.1f} {load[1]:.1f}")
     print(f"{'':<22}{'chained transitions':>22}{'mistaken discards':>20}{'untrained sampled':>20}"
-          f"{'forwarded / perfect':>22}")
+          f"{'forwarded / perfect':>22}{'tool calls':>12}")
     for tito, r in results.items():
         name = "token in/out (splice)" if tito else "re-render (--no-tito)"
         print(f"{name:<22}{r['chained']:>10}/{r['transitions']:<4} {r['chained'] / r['transitions']:>6.1%}"
               f"{r['discarded']:>12}/{r['turns']:<6}{r['untrained'] / r['sampled']:>16.1%}"
-              f"{r['forwarded'] / r['perfect']:>18.3f}x")
+              f"{r['forwarded'] / r['perfect']:>18.3f}x{r['tool_calls']:>12}")
+    return results
 
 
 if __name__ == "__main__":

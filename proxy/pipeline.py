@@ -20,7 +20,7 @@ from harness_rl.trace import PrefixBreak, PromptSource, Reply, ToolCall, Version
 from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
-from proxy.engine_wire import SamplingParams
+from proxy.engine_wire import SamplingParams, WeightVersionSpan
 from proxy.session import Session, TurnCapture
 from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
 from proxy.upstream import ChatRender, EngineClient, Rendered
@@ -88,7 +88,7 @@ class CapturePipeline:
                                   tools=msgspec.Raw(tools) if tools else None, tool_choice=call.tool_choice,
                                   chat_template_kwargs=call.chat_template_kwargs)
         message_digests = digests(encoded)
-        started = time.time()
+        started, version_at_start = time.time(), self.announced_version
         prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
         sample = await self.engine.generate(prompt.ids, SamplingParams.capturing(
             temperature=applied.temperature, max_tokens=applied.max_tokens, seed=applied.seed, stop=applied.stop))
@@ -103,8 +103,7 @@ class CapturePipeline:
                                     "harness": harness, "engine_attempts": sample.attempts}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
-        spans = [VersionSpan(version=int(s.version), start=s.start, end=s.end) for s in sample.spans
-                 if s.version.isdigit()] if all(s.version.isdigit() for s in sample.spans) else []
+        spans = _version_spans(sample.spans, version_at_start)
         version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
             else self.announced_version
         node_id = session.record(TurnCapture(
@@ -158,3 +157,15 @@ def budget_answer(call: ChatCall) -> Answer:
     """The answer given, without asking the engine, once a session's step budget is spent (never recorded)."""
     return Answer(id=f"chatcmpl-budget-{secrets.token_hex(6)}", created=int(time.time()), model=call.model,
                   reply=Reply(content=BUDGET_MESSAGE), finish_reason="stop", prompt_tokens=0, completion_tokens=0)
+
+
+def _version_spans(spans: list[WeightVersionSpan], version_at_start: int | None) -> list[VersionSpan]:
+    """The engine's spans as policy versions. vLLM names the weights it started with "default"; that can
+    only be the first span, sampled before any sync of this request landed, so it is the version announced
+    when the request began. Unknown versions leave the turn to the announced one (no spans)."""
+    def version(name: str) -> int | None:
+        return int(name) if name.isdigit() else version_at_start if name == "default" else None
+
+    versions = [version(s.version) for s in spans]
+    return [VersionSpan(version=v, start=s.start, end=s.end) for v, s in zip(versions, spans, strict=True)
+            if v is not None] if None not in versions else []

@@ -51,6 +51,7 @@ class Scripted:
     retry_after: str | None = None
     delay_s: float = 0.0
     finish_reason: str | None = None
+    synced_to: int | None = None  # a weight sync to this version lands after the completion's first token
 
 
 @dataclass
@@ -181,9 +182,13 @@ class FakeEngine:
                                 body=_ENCODER.encode({"error": {"message": f"scripted {scripted.status}"}}))
         prompt = body["token_ids"]
         _, completion, finish = self.sample(prompt, scripted)
+        spans = [{"version": str(self.version) if self.version is not None else "default", "start": 0,
+                  "end": len(completion)}]
+        if scripted is not None and scripted.synced_to is not None:  # like vLLM's pause(mode=keep) mid-generation
+            self.version = scripted.synced_to
+            spans = [{**spans[0], "end": 1}, {"version": str(self.version), "start": 1, "end": len(completion)}]
         choice: dict[str, Any] = {"index": 0, "token_ids": completion, "finish_reason": finish, "stop_reason": None,
-                                  "weight_versions": [{"version": str(self.version) if self.version is not None
-                                                       else "default", "start": 0, "end": len(completion)}]}
+                                  "weight_versions": spans}
         if self.capture:
             choice["logprobs"] = {"content": [{"token_id": t, "logprob": logprob_of(t)} for t in completion]}
         reply = {"request_id": f"generate-{len(prompt)}", "choices": [choice],

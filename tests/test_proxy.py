@@ -187,6 +187,22 @@ def test_policy_version_falls_back_to_the_admin_value(fake_proxy: RunningProxy, 
     assert [t.policy_version for t in agent.trace().turns] == [None, 12, 13]
 
 
+def test_a_sync_during_a_reply_records_both_versions_and_rows_use_each(fake_proxy: RunningProxy,
+                                                                        fake_engine: FakeEngine) -> None:
+    from harness_rl.rows import trace_rows
+
+    agent = Agent(fake_proxy)
+    httpx.post(f"{fake_proxy.url}/admin/policy_version", json={"version": 7}, headers=agent.admin)
+    fake_engine.script.append(Scripted(content="straddles a sync", synced_to=8))  # vLLM says "default", then "8"
+    assert agent.chat([{"role": "user", "content": "a"}]).status_code == 200
+    turn = agent.trace().turns[0]
+    n = len(turn.completion_token_ids)
+    assert [(s.version, s.start, s.end) for s in turn.version_spans] == [(7, 0, 1), (8, 1, n)]
+    assert turn.policy_version == 7 and turn.token_versions == [7] + [8] * (n - 1)
+    (row,) = trace_rows(agent.trace())
+    assert row.versions[-n:] == [7] + [8] * (n - 1)  # the staleness filter and IS weights see each token's version
+
+
 def test_step_budget_answers_without_the_engine(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     agent = Agent(fake_proxy, max_turns=2)
     messages = [{"role": "user", "content": "go"}]

@@ -58,6 +58,23 @@ def test_conversations_through_vllm_splice_exactly(vllm_server: VllmProcess, tin
         assert float((torch.tensor(turn.per_token_logps) - expected).abs().max()) < 1e-4
 
 
+def test_drift_benchmark_against_vllm_chains_every_conversation(vllm_server: VllmProcess,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "drift_bench.py"
+    spec = importlib.util.spec_from_file_location("drift_bench", path)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--conversations", "6", "--turns", "4", "--engine", vllm_server.url])
+    print(capsys.readouterr().out)  # the bench's table, shown with -s
+    spliced = results[True]
+    assert spliced["chained"] == spliced["transitions"] == 6 * 3
+    assert spliced["discarded"] == 0 and spliced["untrained"] == 0
+    assert spliced["forwarded"] == spliced["perfect"]
+
+
 @pytest.mark.parametrize("harness", ["opencode", "claude-code", "mini-swe-agent"])
 def test_real_clis_run_through_the_proxy_in_front_of_vllm(vllm_server: VllmProcess, harness: str,
                                                           tmp_path: Path) -> None:

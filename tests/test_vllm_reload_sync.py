@@ -189,7 +189,7 @@ def test_a_failed_control_call_is_named_and_the_engine_resumes(vllm_weights: Vll
 @pytest.mark.slow
 def test_a_failed_reload_restores_the_last_weights_and_resumes(vllm_weights: VllmProcess, tiny_model_dir: Path,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               loop) -> None:
+                                                               make_sync) -> None:
     url = vllm_weights.url
     sync = make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir)
     pushed = learner(tiny_model_dir, noise_seed=8)
