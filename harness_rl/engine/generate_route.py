@@ -169,7 +169,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         stream=bool(body.stream),
         prompt_len=len(body.token_ids),
         max_model_len=engine.max_model_len,
-        max_tokens=sampling.max_tokens,
+        # vLLM's generate caps any max_tokens at the room left (the chat route refuses one above the context)
+        max_tokens=None if sampling.max_tokens is None else min(sampling.max_tokens, engine.max_model_len),
         default_max_tokens=None,
         logprobs=sampling.logprobs,
     )
