@@ -119,10 +119,10 @@ def _choice(body: Any) -> dict[str, Any]:
 
 
 class _Probe:
-    """The requests behind the checks, each sent once and shared by the checks that read it."""
+    """The requests behind the checks; `model` is the served name (learned from /v1/models when empty)."""
 
-    def __init__(self, http: _Http, model: str, temperature: float) -> None:
-        self.http, self.model, self.temperature = http, model, temperature
+    def __init__(self, http: _Http, model: str) -> None:
+        self.http, self.model = http, model
 
     async def chat(self, **knobs: Any) -> tuple[int, Any, dict[str, str]]:
         body = {"model": self.model, "messages": PROBE, "max_tokens": 4, "seed": 0, **knobs}
@@ -196,7 +196,8 @@ class _Probe:
         if not token_in:
             return Check("tool parser", "pass", "tools accepted (round trip needs the token-in routes)")
         prompt = await self.render(PROBE, add_generation_prompt=True)
-        call = {"id": "call_0", "type": "function", "function": {**PROBE_CALL, "arguments": '{"command": "ls -la"}'}}
+        arguments = json.dumps(PROBE_CALL["arguments"])
+        call = {"id": "call_0", "type": "function", "function": {"name": PROBE_CALL["name"], "arguments": arguments}}
         turn = await self.render([*PROBE, {"role": "assistant", "content": None, "tool_calls": [call]}])
         if prompt is None or turn is None:
             return Check("tool parser", "fail", "render refused a conversation with a tool call")
@@ -244,26 +245,27 @@ class _Probe:
         return Check("token-in routes", "pass", f"render, generate ({spans} weight_versions) and derender answer")
 
     async def weight_sync(self, wanted: str) -> Check:
-        """Which sync backends the engine's routes allow: from vLLM's /openapi.json, else by probing
-        each route with a body it must refuse (400/422: the route exists; nothing changes)."""
+        """Which weight-sync backends the engine's routes allow, never calling one that acts: vLLM lists
+        its routes in /openapi.json; the embedded engine (no such list) answers GET /is_paused and
+        refuses an update without a version."""
         status, spec, _ = await self.http.call("GET", "/openapi.json")
         if status == 200 and isinstance(spec, dict) and isinstance(spec.get("paths"), dict):
             routes = set(spec["paths"])
         else:
-            needed = {*CONTROL_ROUTES, *(r for group in SYNC_ROUTES.values() for r in group)}
-            answers = await asyncio.gather(*(self.http.call("POST", route, {"": None}) for route in sorted(needed)))
-            routes = {
-                route for route, (code, _, _) in zip(sorted(needed), answers, strict=True) if code not in (0, 404, 405)
-            }
+            routes = set()
+            if (await self.http.call("GET", "/is_paused"))[0] == 200:
+                routes.update(CONTROL_ROUTES)
+            (update,) = SYNC_ROUTES["http"]
+            if (await self.http.call("POST", update))[0] == 400:
+                routes.add(update)
         missing_control = [route for route in CONTROL_ROUTES if route not in routes]
         if missing_control:
             return Check("weight sync routes", "fail", f"no {', '.join(missing_control)}", DEV_MODE)
         backends = [name for name, group in SYNC_ROUTES.items() if all(route in routes for route in group)]
-        if wanted in ("auto", "none") and backends or wanted in backends:
-            return Check("weight sync routes", "pass", f"pause/resume and {', '.join(backends) or 'no'} weight update")
-        if wanted == "none":
-            return Check("weight sync routes", "pass", "pause/resume (no weight update wanted)")
-        seen = f"no route set for {wanted if wanted != 'auto' else 'any'} weight sync (found: {backends or 'none'})"
+        if wanted == "none" or (wanted == "auto" and backends) or wanted in backends:
+            found = ", ".join(backends) or "no"
+            return Check("weight sync routes", "pass", f"pause/resume and {found} weight update")
+        seen = f"no routes for {wanted if wanted != 'auto' else 'any'} weight sync (found: {backends or 'none'})"
         return Check("weight sync routes", "fail", seen, DEV_MODE)
 
     async def policy_version(self) -> Check:
@@ -283,12 +285,11 @@ async def diagnose(
     model: str | None = None,
     min_context: int = MIN_AGENT_CONTEXT,
     weight_sync: str = "auto",
-    temperature: float = 1.0,
     timeout_s: float = 120.0,
 ) -> Report:
     """Every HTTP check against the engine at `url` (serving `model`, or its first model)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        probe = _Probe(_Http(session, url), model or "", temperature)
+        probe = _Probe(_Http(session, url), model or "")
         length = await probe.max_model_len(min_context)
         if length.name == "engine answers":
             return Report(url, [length])

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
     served = args.served_model_name or (None if model_dir is not None else args.model)
     report = asyncio.run(diagnose(args.engine, model=served, min_context=args.min_context,
-                                  weight_sync=args.weight_sync, temperature=args.temperature))
+                                  weight_sync=args.weight_sync))
     print(f"harness-rl doctor: {report.url}")
     print(report.text())
     failed = not report.ok
