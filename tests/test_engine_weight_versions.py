@@ -17,6 +17,7 @@ from safetensors.torch import save
 from harness_rl.engine import Engine, serve_in_thread
 
 MESSAGES = [{"role": "user", "content": "Fix the bug."}]
+EOS = 2  # the tiny model's <|im_end|>
 
 
 @pytest.fixture
@@ -96,8 +97,15 @@ def test_a_generation_kept_across_a_weight_load_reports_both_versions(
     assert max(abs(a - b) for a, b in zip(logprobs[boundary:], after, strict=True)) < 1e-4
     stale = next_logprobs(old, ids_prompt + ids)[len(ids_prompt) - 1 + boundary :]
     assert max(abs(a - b) for a, b in zip(logprobs[boundary:], stale, strict=True)) > 0.05
-    whole = httpx.post(f"{own_url}/inference/v1/generate", json={**body, "stream": False}, timeout=300).json()
-    assert whole["choices"][0]["weight_versions"] == [{"version": "1", "start": 0, "end": 600}]
+    # The next turn extends the straddled sequence: its prompt is computed afresh by the new weights
+    # (the old weights' keys and values of the kept request never reach the prefix cache).
+    turn = ids_prompt + ids + [EOS]
+    sampling = {"seed": 5, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
+    reply = httpx.post(f"{own_url}/inference/v1/generate", json={"token_ids": turn, "sampling_params": sampling})
+    choice = reply.json()["choices"][0]
+    assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 8}]
+    fresh = next_logprobs(new, turn + choice["token_ids"])[len(turn) - 1 :]
+    assert max(abs(e["logprob"] - x) for e, x in zip(choice["logprobs"]["content"], fresh, strict=True)) < 1e-4
 
 
 def test_abort_requests_ends_running_and_waiting_generations(own_engine: Engine, own_url: str) -> None:

@@ -5,7 +5,8 @@ The answer carries the sampled ids, their logprobs when `sampling_params.logprob
 sampled token only), and `weight_versions`: contiguous `[start, end)` spans over completion token
 indexes naming the weight version that sampled each token. A generation kept across a weight load
 (`/pause?mode=keep`) gets one span per version; the tokens after the boundary were chosen from the
-new weights' forward pass over the cache the old weights had computed, as in vLLM.
+new weights' forward pass over the cache the old weights had computed, as in vLLM (this engine
+never lends that mixed cache to a later request through its prefix cache).
 """
 
 import time
