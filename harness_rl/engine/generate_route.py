@@ -120,8 +120,7 @@ class _Reply:
             top += [
                 self._entry(i, lp, rank) for rank, (i, lp) in enumerate(token.top_logprobs, 1) if i != token.token_id
             ]
-            entry = self._entry(token.token_id, token.logprob, token.rank)
-            content.append({**entry, "top_logprobs": top[: max(self.logprobs, 1)]})
+            content.append({**top[0], "top_logprobs": top[: max(self.logprobs, 1)]})
         return {"content": content}
 
     def choice(
