@@ -279,7 +279,9 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         if checkpoint is not None:
             state = learner.load(checkpoint)
             scheduler.load_state_dict(state.get("scheduler", {}))
-            learner.sync_weights()
+        # The engine may still hold another run's weights (a vLLM kept between runs): it starts on ours, stamped
+        # with our version, so nothing is sampled by weights the learner never had.
+        learner.sync_weights()
         return Run(config, output_dir, loop, engine, proxy, client, scheduler, learner,
                    RunFiles(output_dir, scheduler.harness.name), AutoTokenizer.from_pretrained(engine.model_dir))
     except BaseException:

@@ -99,8 +99,9 @@ def test_train_refuses_an_engine_that_cannot_capture_exactly(engine: Engine, tin
 
     out = tmp_path / "run"
     with serve_in_thread(engine) as server:  # no --return-tokens-as-token-ids
-        done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--preset", "demo", "--engine", server.url, "--model",
-                               str(tiny_model_dir), "--max-steps", "1", "--output-dir", str(out)],
+        done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--preset", "demo", "--engine",
+                               server.url, "--model", str(tiny_model_dir), "--max-steps", "1", "--output-dir",
+                               str(out)],
                               capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot capture exactly" in done.stderr and "fix: add --return-tokens-as-token-ids" in done.stderr

@@ -249,7 +249,8 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
     try:
         with serve_in_thread(engine) as server:
             sync = HttpEngineSync(server.url, loop, timeout_s=30)
-            with pytest.raises(WeightSyncError, match=r"POST /update_weights_from_bytes\?version=1 failed: HTTP 400: .*shape"):
+            with pytest.raises(WeightSyncError,
+                               match=r"POST /update_weights_from_bytes\?version=1 failed: HTTP 400: .*shape"):
                 sync.push(wrong, version=1)
             sync.close()
             assert not engine.is_paused and engine.policy_version == 0
