@@ -8,9 +8,11 @@ reply is refused unless ids, logprob tokens and usage all agree.
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import time
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
@@ -73,14 +75,28 @@ class EngineCall(msgspec.Struct, frozen=True):
     attempts: int
 
 
-class EngineClient:
-    """One keep-alive connection pool to one engine URL."""
+class EngineUnreachable(ProxyError):
+    """No answer came back (refused, reset, closed mid-reply): worth another attempt."""
 
-    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None) -> None:
+
+class EngineClient:
+    """One keep-alive connection pool to one engine URL.
+
+    `timeout_s` is the deadline of one call, retries and their waits included; replies larger than
+    `max_reply_bytes` are refused unread. The model name, context size and vocabulary size come
+    from the engine's `/v1/models`, asked until it answers.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None,
+                 max_reply_bytes: int = 64 * 2**20, vocab_size: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.model = model
+        self.max_reply_bytes = max_reply_bytes
+        self.vocab_size = vocab_size
+        self.max_model_len: int | None = None
+        self._described = False
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -96,15 +112,20 @@ class EngineClient:
         """The engine's model name, asked until the engine answers (agents may call the policy anything).
 
         Never cached while unknown: a proxy started beside an engine that is still loading heals as
-        soon as the engine serves.
+        soon as the engine serves. The same answer says the context and vocabulary sizes, if it does.
         """
-        if not self.model:
+        if not self._described:
             try:
-                status, body, _ = await self._send("GET", "/v1/models", None)
-                models = MODELS_DECODER.decode(body).data if status == 200 else []
+                status, body, _ = await self._send("GET", "/v1/models", None, time.monotonic() + self.timeout_s)
+                cards = MODELS_DECODER.decode(body).data if status == 200 else []
             except (ProxyError, msgspec.DecodeError):
-                return None
-            self.model = str(models[0].get("id") or "") if models and isinstance(models[0], dict) else ""
+                return self.model or None
+            card = next((c for c in cards if c.id == self.model), cards[0] if cards else None)
+            if card is not None and card.id:
+                self._described = True
+                self.model = self.model or card.id
+                self.max_model_len = card.max_model_len
+                self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 
     async def chat(self, request: EngineChatRequest) -> EngineCall:
@@ -115,12 +136,12 @@ class EngineClient:
         status, data, headers, attempts = await self._send_with_retries("/v1/chat/completions",
                                                                         _ENCODER.encode(request))
         if status != 200:
-            raise _engine_error(self.url, status, data)
+            raise _engine_error(self.url, status, data, headers)
         try:
             reply = CHAT_REPLY_DECODER.decode(data)
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.url} sent a chat reply this proxy cannot read: {exc}") from None
-        prompt_text, n_prompt = check_capture(reply, self.url)
+        prompt_text, n_prompt = check_capture(reply, self.url, self.vocab_size)
         version = headers.get(POLICY_VERSION_HEADER)
         policy_version = int(version) if version and version.isdigit() else None
         return EngineCall(reply, prompt_text, n_prompt, policy_version, attempts)
@@ -128,9 +149,9 @@ class EngineClient:
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
         """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
         body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
-        status, data, _, _ = await self._send_with_retries("/tokenize", _ENCODER.encode(body))
+        status, data, headers, _ = await self._send_with_retries("/tokenize", _ENCODER.encode(body))
         if status != 200:
-            raise _engine_error(self.url, status, data)
+            raise _engine_error(self.url, status, data, headers)
         try:
             return TOKENIZE_DECODER.decode(data).count
         except msgspec.DecodeError as exc:
@@ -138,31 +159,63 @@ class EngineClient:
                                   f"{exc}") from None
 
     async def _send_with_retries(self, path: str, payload: bytes) -> tuple[int, bytes, Any, int]:
+        """POST, retrying 408/429/5xx answers and lost connections; every attempt and wait ends by one deadline.
+
+        A wait that would end past the deadline (a long Retry-After) is not waited: the last answer
+        (or error) is returned at once.
+        """
+        deadline = time.monotonic() + self.timeout_s
         delay = 0.2
-        for attempt in range(1, self.retries + 2):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                status, data, headers = await self._send("POST", path, payload)
-            except ProxyError as exc:
-                if exc.status != 502 or attempt > self.retries:
+                status, data, headers = await self._send("POST", path, payload, deadline)
+            except EngineUnreachable:
+                if attempt > self.retries or time.monotonic() + delay >= deadline:
                     raise
+                wait = delay
             else:
                 if status not in RETRY_STATUSES or attempt > self.retries:
                     return status, data, headers, attempt
-                delay = _retry_after(headers.get("Retry-After"), delay)
-            await asyncio.sleep(delay)
+                wait = _retry_after(headers.get("Retry-After"), delay)
+                if time.monotonic() + wait >= deadline:
+                    return status, data, headers, attempt
+            await asyncio.sleep(wait)
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
-        raise AssertionError("unreachable")
 
-    async def _send(self, method: str, path: str, payload: bytes | None) -> tuple[int, bytes, Any]:
+    async def _send(self, method: str, path: str, payload: bytes | None,
+                    deadline: float) -> tuple[int, bytes, Any]:
         assert self._http is not None, "EngineClient.start() was not awaited"
+        remaining = deadline - time.monotonic()
         try:
+            if remaining <= 0:
+                raise TimeoutError
             async with self._http.request(method, self.url + path, data=payload,
-                                          headers={"Content-Type": "application/json"}) as resp:
-                return resp.status, await resp.read(), resp.headers
+                                          headers={"Content-Type": "application/json"},
+                                          timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
+                return resp.status, await self._read(resp), resp.headers
         except TimeoutError:
             raise ProxyError(504, f"the engine at {self.url} did not answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
-            raise ProxyError(502, f"cannot reach the engine at {self.url}: {exc}") from None
+            raise EngineUnreachable(502, f"cannot reach the engine at {self.url}: {exc}") from None
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The reply's body, refused (502, not retried) past `max_reply_bytes`, before it is all read if possible."""
+        limit = self.max_reply_bytes
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        if resp.content_length is None:
+            chunks, size = [], 0
+            async for chunk in resp.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+            else:
+                return b"".join(chunks)
+        raise ProxyError(502, f"the engine at {self.url} sent a reply larger than {limit / 2**20:g} MB "
+                              "(--max-reply-mb)")
 
 
 def _retry_after(value: str | None, fallback: float) -> float:
@@ -179,8 +232,12 @@ def _retry_after(value: str | None, fallback: float) -> float:
         return fallback
 
 
-def _engine_error(url: str, status: int, data: bytes) -> ProxyError:
+def _engine_error(url: str, status: int, data: bytes, headers: Any = None) -> ProxyError:
+    """The agent's error for an engine's error: its 4xx as is, 429 with its Retry-After, anything else 502."""
     message = _error_message(data)
+    if status == 429:
+        retry_after = (headers or {}).get("Retry-After") or "1"
+        return ProxyError(429, f"the engine is rate limiting: {message}", headers={"Retry-After": retry_after})
     if 400 <= status < 500 and status not in RETRY_STATUSES:
         return ProxyError(status, f"the engine rejected the request: {message}")
     return ProxyError(502, f"the engine at {url} failed with HTTP {status}: {message}")
@@ -202,7 +259,7 @@ def _error_message(data: bytes) -> str:
     return str(decoded)[:500]
 
 
-def check_capture(reply: ChatReply, url: str) -> tuple[bytes, int]:
+def check_capture(reply: ChatReply, url: str, vocab_size: int | None = None) -> tuple[bytes, int]:
     """Refuse a reply whose token ids, logprobs and usage do not describe one and the same sample.
 
     Returns the prompt ids as the capture graph's token text, and their count.
@@ -222,9 +279,16 @@ def check_capture(reply: ChatReply, url: str) -> tuple[bytes, int]:
     if not prompt or not prompt[1]:
         raise ProxyError(502, f"the engine at {url} returned a prompt_token_ids that is not a non-empty array of "
                               "token ids")
+    if vocab_size is not None:
+        try:
+            _ids_below(vocab_size).decode(bytes(reply.prompt_token_ids))
+        except msgspec.ValidationError:
+            raise ProxyError(502, f"the engine at {url} returned a prompt id outside its {vocab_size}-token "
+                                  "vocabulary") from None
     ids = choice.token_ids
     if len(content) != len(ids):
         raise ProxyError(502, f"the engine at {url} returned {len(content)} logprobs for {len(ids)} sampled tokens")
+    check_sample(ids, [entry.logprob for entry in content], url, vocab_size)
     expected = [f"token_id:{i}" for i in ids]
     actual = [entry.token for entry in content]
     if actual != expected:
@@ -236,3 +300,20 @@ def check_capture(reply: ChatReply, url: str) -> tuple[bytes, int]:
         raise ProxyError(502, f"the engine at {url} reported usage {reply.usage.prompt_tokens}+"
                               f"{reply.usage.completion_tokens} tokens but returned {n_prompt}+{len(ids)} ids")
     return prompt_text, n_prompt
+
+
+def check_sample(ids: list[int], logps: list[float], url: str, vocab_size: int | None) -> None:
+    """Refuse sampled ids outside the vocabulary and logprobs that are positive or not finite (C-speed scans)."""
+    if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+        bad = next(i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size))
+        size = f"its {vocab_size}-token vocabulary" if vocab_size is not None else "any vocabulary"
+        raise ProxyError(502, f"the engine at {url} returned sampled token id {bad}, outside {size}")
+    if logps and (not all(map(math.isfinite, logps)) or max(logps) > 0):
+        lp = next(lp for lp in logps if not (math.isfinite(lp) and lp <= 0))
+        raise ProxyError(502, f"the engine at {url} returned logprob {lp} for a sampled token; a logprob is finite "
+                              "and at most 0")
+
+
+@functools.cache
+def _ids_below(vocab_size: int) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])
