@@ -112,9 +112,14 @@ class RequestHandler(web.RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        plain = super().handle_error(request, status, exc, message)  # logs, and refuses once a reply has begun
-        text = message or (plain.text if isinstance(plain, web.Response) and plain.text else f"HTTP {status}")
-        response = web.Response(status=status, body=_ENCODER.encode(either_error_body(status, text.strip())),
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already under way; the connection is dropped")
+        if status >= 500:
+            self.log_exception("proxy failure on a request from %s", request.remote, exc_info=exc)
+        else:  # a client's malformed request: its own business, and cheap to send in bulk
+            self.log_debug("malformed request from %s: %s", request.remote, message or exc)
+        text = (message or str(exc or "") or f"HTTP {status}").strip().splitlines()[0][:500]
+        response = web.Response(status=status, body=_ENCODER.encode(either_error_body(status, text)),
                                 content_type="application/json")
         response.force_close()
         return response

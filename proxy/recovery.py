@@ -76,7 +76,13 @@ def recover_store(registry: SessionRegistry) -> Recovery:
 
 
 def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> None:
+    """Recover one log; a file that is not a session's own log is left untouched (its turns count lost)."""
     loaded = load_log(path, fsync=registry.fsync, max_chain=registry.max_chain)
+    session = loaded.session
+    if session is None or session.id in registry.by_id:
+        totals.lost_turns += len(loaded.lost) + (len(session.turns) if session is not None else 0)
+        why = "no session line first" if session is None else f"a second log of session {session.id}"
+        raise ValueError(f"not a session log ({why}); left as it is")
     totals.lost_turns += len(loaded.lost)
     totals.quarantined_lines += len(loaded.damaged)
     totals.duplicate_lines += loaded.duplicates
@@ -85,11 +91,6 @@ def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> Non
         log.warning("session log %s: %d damaged lines skipped (bytes kept in %s), %d turns lost: %s", path,
                     len(loaded.damaged), registry.store_dir / QUARANTINE, len(loaded.lost),
                     "; ".join([d.reason for d in loaded.damaged[:3]] + loaded.lost[:3]))
-    session = loaded.session
-    if session is None:
-        raise ValueError("not a session log (no session line first)")
-    if session.id in registry.by_id:
-        raise ValueError(f"a second log of session {session.id}")
     if not loaded.ends_clean and not session.closed:
         end_line(path)
     totals.sessions += 1
