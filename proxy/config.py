@@ -69,7 +69,7 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                    "if it does")] = None
     max_chain: Annotated[AtLeastOne | None, _meta("store a turn whole after this many delta-encoded turns in a row, "
                                                   "so one damaged log line costs at most this many later turns; "
-                                                  "none: no bound")] = 16
+                                                  "none: no bound")] = 32
     keepalive_s: Annotated[Positive, _meta("a streaming agent waiting this long gets SSE keep-alive comments",
                                            flag=None)] = 10.0
     collect_on_pause: Annotated[bool, _meta("run the full garbage collection while agents are held for a weight "

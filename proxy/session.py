@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, StoredTurn, TrainingTrace, rebuild_turns
-from proxy.capture import SEP, Base, CaptureGraph, Node, offset_after, token_ids, token_text
+from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
 from proxy.control_api import Recovery, SessionSummary
 from proxy.errors import ProxyError
 from proxy.store import (
@@ -133,12 +133,9 @@ class Session:
         digests = array("q", map(hash, capture.messages)).tobytes()
         tools_digest = hash(capture.tools) if capture.tools is not None else None
         base_turn = self.turns.get(base.node_id) if base.node_id else None
-        if base_turn is not None and self.max_chain is not None and base_turn.depth >= self.max_chain:
-            base_turn, base = None, Base(None, 0)  # the chain is long enough: store this turn whole
         prefix = _common_digest_prefix(base_turn.message_digests, digests) if base_turn else 0
         inherit_tools = base_turn is not None and tools_digest is not None and base_turn.tools_digest == tools_digest
-        depends = base_turn is not None and bool(base.shared or prefix or inherit_tools)
-        line = encode_line(StoredTurn(
+        stored = StoredTurn(
             node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared),
             tail=token_ids(sequence[base.shared:]), n_prompt=capture.n_prompt, per_token_logps=capture.logps,
             policy_version=capture.policy_version, finish_reason=capture.finish_reason,
@@ -147,10 +144,18 @@ class Session:
             tools=None if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),  # type: ignore[arg-type]
             tools_inherited=inherit_tools, reply=capture.reply, sampling=capture.sampling, metadata=capture.metadata,
             started_at=capture.started_at, finished_at=capture.finished_at,
-        ))
-        self.log.append(line)
-        self.turns[node_id] = CapturedTurn(line, digests, tools_digest, depth=base_turn.depth + 1 if depends and
-                                           base_turn is not None else 0)
+        )
+        line = encode_line(stored)
+        depth = base_turn.depth + 1 if base_turn is not None and (stored.shared or prefix or inherit_tools) else 0
+        if self.max_chain is not None and depth > self.max_chain:  # the log gets this turn whole, memory the delta
+            depth = 0
+            self.log.append(encode_line(msgspec.structs.replace(
+                stored, base=None, shared=0, tail=token_ids(sequence), messages_prefix=0,
+                messages=[msgspec.Raw(m) for m in capture.messages], tools_inherited=False,
+                tools=None if capture.tools is None else msgspec.Raw(capture.tools))))
+        else:
+            self.log.append(line)
+        self.turns[node_id] = CapturedTurn(line, digests, tools_digest, depth=depth)
         return node_id
 
     def mark_undelivered(self, node_id: str) -> None:

@@ -62,6 +62,8 @@ class Faults:
 
 @dataclass
 class HostileEngine(FakeEngine):
+    """The fake engine, strict about model names as vLLM is (404), with `faults` injected into its answers."""
+
     faults: Faults = field(default_factory=Faults)
 
     def app(self) -> web.Application:
@@ -75,6 +77,10 @@ class HostileEngine(FakeEngine):
         if request.path == "/v1/models":
             card = {"id": "fake", "object": "model", **faults.card}
             return web.json_response({"object": "list", "data": [card]})
+        if request.method == "POST" and request.content_type == "application/json":
+            model = json.loads(await request.read()).get("model")
+            if model not in (None, "fake"):
+                return web.json_response({"error": {"message": f"The model `{model}` does not exist."}}, status=404)
         if request.method == "POST" and faults.delay_s:
             await asyncio.sleep(faults.delay_s)
         if request.method == "POST" and faults.status is not None:
@@ -183,10 +189,6 @@ def recovery(proxy: RunningProxy) -> dict[str, int]:
     return httpx.get(f"{proxy.url}/health").json()["recovery"]
 
 
-def log_lines(store: Path, session_id: str) -> list[bytes]:
-    return (store / f"{session_id}.jsonl").read_bytes().splitlines(keepends=True)
-
-
 # ------------------------------------------------------------------------------------- 1. model name
 
 
@@ -198,7 +200,7 @@ def test_1_model_name_is_asked_until_the_engine_serves(tmp_path: Path) -> None:
         agent = Agent(proxy)
         assert agent.chat(CHAT["messages"], model="gpt-4o").status_code == 502  # the engine is still loading
         with BackgroundLoop("late-engine") as loop:
-            runner, _ = loop.run(start_fake_engine(FakeEngine(), port=port))
+            runner, _ = loop.run(start_fake_engine(HostileEngine(), port=port))
             try:
                 for model in ("gpt-4o", "policy"):
                     got = agent.chat(CHAT["messages"], model=model)
@@ -584,8 +586,6 @@ BAD_OPENAI_BODIES = {
     "tool_choice without tools": {"messages": CHAT["messages"], "tool_choice": "required"},
     "non-boolean logprobs": {"messages": CHAT["messages"], "logprobs": "yes"},
     "image": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-    "seed 2**64": {"messages": CHAT["messages"], "seed": 2**64},
-    "seed below -2**63": {"messages": CHAT["messages"], "seed": -(2**63) - 1},
 }
 
 
@@ -599,9 +599,13 @@ def test_bad_openai_bodies_are_400_and_not_recorded(start: Callable[..., Running
     assert turns_of(agent.proxy, agent.session["id"]) == []
 
 
-def test_a_64_bit_seed_is_accepted(start: Callable[..., RunningProxy]) -> None:
+def test_a_seed_must_fit_64_bits(start: Callable[..., RunningProxy]) -> None:
     agent = Agent(start())
+    for seed in (2**64, 2**63, -(2**63) - 1):
+        got = agent.chat(CHAT["messages"], seed=seed)
+        assert got.status_code == 400 and "seed" in got.json()["error"]["message"]
     assert agent.chat(CHAT["messages"], seed=2**63 - 1).status_code == 200
+    assert agent.chat(CHAT["messages"], seed=-(2**63)).status_code == 200
 
 
 def test_plain_text_bodies_are_400(start: Callable[..., RunningProxy]) -> None:
