@@ -404,7 +404,7 @@ def test_6_stalled_connections_are_closed_within_the_header_timeout(start: Calla
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     assert agent.chat(CHAT["messages"]).status_code == 200  # everyone else is served meanwhile
     waited = [_closed_after(sock, opened) for sock in silent + half]
-    assert max(waited) < 1.5, max(waited)
+    assert max(waited) < 2.5, max(waited)  # 0.5 s, and slack for a loaded machine
     for sock in silent + half:
         sock.close()
 
@@ -421,7 +421,7 @@ def test_6_a_stalled_body_is_answered_408_and_closed(start: Callable[..., Runnin
     with contextlib.suppress(ConnectionResetError):
         while chunk := sock.recv(65536):
             answer += chunk
-    assert time.monotonic() - sent < 1.5
+    assert time.monotonic() - sent < 2.5
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["type"]
     sock.close()
@@ -678,7 +678,7 @@ def test_a_429_is_passed_on_with_its_retry_after_within_the_deadline(start: Call
     hostile.faults.status, hostile.faults.retry_after = 429, "30"
     began = time.monotonic()
     got = agent.chat(CHAT["messages"])
-    assert time.monotonic() - began < 1.5
+    assert time.monotonic() - began < 3  # not 30 s
     assert got.status_code == 429 and got.headers["Retry-After"] == "30"
     assert got.json()["error"]["type"] == "rate_limit_error"
     anthropic = httpx.post(f"{agent.proxy.url}/s/{agent.session['id']}/v1/messages",
@@ -694,7 +694,7 @@ def test_retries_end_by_the_request_deadline(start: Callable[..., RunningProxy],
     hostile.faults.status, hostile.faults.delay_s = 503, 0.3
     began = time.monotonic()
     got = agent.chat(CHAT["messages"])
-    assert got.status_code in (502, 504) and time.monotonic() - began < 2.6
+    assert got.status_code in (502, 504) and time.monotonic() - began < 3.5
 
 
 def test_an_oversize_engine_reply_is_refused_unread(start: Callable[..., RunningProxy],
