@@ -116,7 +116,7 @@ class EngineClient:
         """
         if not self._described:
             try:
-                status, body, _ = await self._send("GET", "/v1/models", None, time.monotonic() + self.timeout_s)
+                status, body, _ = await self._send("GET", "/v1/models", None)
                 cards = MODELS_DECODER.decode(body).data if status == 200 else []
             except (ProxyError, msgspec.DecodeError):
                 return self.model or None
@@ -185,9 +185,10 @@ class EngineClient:
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
 
     async def _send(self, method: str, path: str, payload: bytes | None,
-                    deadline: float) -> tuple[int, bytes, Any]:
+                    deadline: float | None = None) -> tuple[int, bytes, Any]:
+        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now)."""
         assert self._http is not None, "EngineClient.start() was not awaited"
-        remaining = deadline - time.monotonic()
+        remaining = (deadline - time.monotonic()) if deadline is not None else self.timeout_s
         try:
             if remaining <= 0:
                 raise TimeoutError
