@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
 import sys
 import time
@@ -56,11 +57,13 @@ class Engine:
     close: Callable[[], None]
 
 
-def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
-    """The embedded engine in this process, or a client of the running engine at `--engine URL`."""
+def start_engine(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engine:
+    """The embedded engine in this process, vLLM started as a child, or a client of the engine at `--engine URL`."""
     from harness_rl import weight_sync as ws
 
     settings = config.engine
+    if settings.engine == "vllm":
+        return _start_vllm(config, loop, run_dir)
     if settings.engine == "embedded":
         from harness_rl.engine import Engine as EmbeddedEngine
         from harness_rl.engine import serve_in_thread
@@ -81,9 +84,49 @@ def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
     kind = settings.weight_sync
     if kind == "auto":
         kind = "http" if _is_embedded_engine(url) else "nccl"
-    syncs: dict[str, Callable[[], WeightSync]] = {
-        "http": lambda: ws.HttpEngineSync(url, loop), "nccl": lambda: ws.VllmNcclSync(url, loop), "none": ws.NoSync}
-    return Engine(url, Path(settings.model), syncs[kind](), lambda: None)
+    return Engine(url, Path(settings.model), _sync(kind, url, loop, config, run_dir, Path(settings.model)),
+                  lambda: None)
+
+
+def _sync(kind: str, url: str, loop: BackgroundLoop, config: RunConfig, run_dir: Path, model_dir: Path) -> WeightSync:
+    """The weight-sync backend `kind` for the engine at `url`."""
+    from harness_rl import weight_sync as ws
+
+    if kind == "http":
+        return ws.HttpEngineSync(url, loop)
+    if kind == "nccl":
+        return ws.VllmNcclSync(url, loop)
+    if kind == "reload":
+        sync_dir = Path(config.engine.sync_dir) if config.engine.sync_dir else run_dir / "weights"
+        return ws.ReloadSync(url, loop, sync_dir, restore_dir=model_dir if model_dir.is_dir() else None)
+    return ws.NoSync()
+
+
+def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engine:
+    """vLLM as a child for the run, with the flags exact capture needs (`harness-rl serve vllm`'s)."""
+    import shlex
+
+    from harness_rl import vllm_server as vs
+    from harness_rl.engine import build_tiny_model, default_cache_dir
+    from harness_rl.weight_sync import free_port
+
+    settings = config.engine
+    model_dir = build_tiny_model(default_cache_dir(config.seed), seed=config.seed) if settings.model == "tiny" \
+        else Path(settings.model)
+    python = vs.find_vllm_python(settings.vllm_python)
+    cuda = vs.has_cuda(python)
+    launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(),
+                            served_model_name="tiny" if settings.model == "tiny" else None,
+                            extra_args=shlex.split(settings.vllm_args))
+    print(f"harness-rl train: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
+    server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
+    kind = settings.weight_sync if settings.weight_sync != "auto" else "nccl" if cuda else "reload"
+    try:
+        sync = _sync(kind, server.url, loop, config, run_dir, model_dir)
+    except BaseException:
+        server.stop()
+        raise
+    return Engine(server.url, model_dir, sync, server.stop)
 
 
 def _is_embedded_engine(url: str) -> bool:
@@ -206,9 +249,10 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
     loop = BackgroundLoop("harness-rl-rollouts")
     engine: Engine | None = None
     proxy: RunningProxy | None = None
+    created = not output_dir.exists()
     try:
-        engine = start_engine(config, loop)
         output_dir.mkdir(parents=True, exist_ok=True)
+        engine = start_engine(config, loop, output_dir)
         (output_dir / "config.toml").write_text(to_toml(config))
         proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"))
         proxy = loop.run(start_proxy(proxy_config), timeout=120)
@@ -233,6 +277,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         if engine is not None:
             engine.close()
         loop.close()
+        if created:  # a run that never started leaves no half-made folder behind
+            shutil.rmtree(output_dir, ignore_errors=True)
         raise
 
 

@@ -75,6 +75,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     collect_on_pause: Annotated[bool, _meta("run the full garbage collection while agents are held for a weight "
                                             "sync", flag=None)] = True
     fsync: Annotated[bool, _meta("fsync every captured turn (survives power loss, slower)")] = False
+    tito: Annotated[bool, _meta("token in, token out: send an agent's earlier replies back to the engine as the "
+                                "ids it sampled (off: render every prompt from the messages)")] = True
     accept_images: Annotated[bool, _meta("forward image parts to the engine (only for models that take them)")] \
         = False
     default_max_turns: Annotated[AtLeastOne | None, _meta("step budget of a session that sets none",

@@ -139,9 +139,10 @@ class ControlRoutes:
         return json_response(Deleted(request.match_info["sid"]))
 
     async def pause(self, request: web.Request) -> web.Response:
-        """Hold new agent calls; answer once every call already at the engine has been recorded."""
+        """Hold new agent calls; answer once every call already at the engine has been recorded, or at once
+        with `?drain=false` (the engine then pauses those calls itself, and they finish on the new weights)."""
         self._admin(request)
-        await self.pipeline.gate.pause()
+        await self.pipeline.gate.pause(drain=request.query.get("drain", "true").lower() != "false")
         if self.config.collect_on_pause:
             gc.collect()  # agents are held anyway: the collector's pause costs them nothing now
         return json_response(Paused(True, self.pipeline.gate.in_flight))

@@ -4,11 +4,12 @@ In memory a session keeps, per turn, only its encoded log line (delta-encoded, a
 capture graph's new tokens, so a long rollout costs memory in proportion to what it adds. Full
 `TrainingTrace`s are built on demand when the trace is fetched.
 
-Delta chains are bounded: after `max_chain` delta-encoded turns in a row a turn is stored whole,
-so one damaged log line costs at most that many later turns. Recovery rebuilds every turn whose
-stored form does not depend on a damaged or missing line; a turn that cannot be rebuilt exactly is
-counted lost and left out, never guessed. Once a session is closed or deleted nothing more is
-written: a call still in flight then is answered with an error and its turn is not recorded.
+Delta chains on disk are bounded: after `max_chain` delta-encoded turns in a row a turn is written
+whole (memory keeps its delta), so one damaged log line costs at most that many later turns.
+Recovery (`proxy.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
+missing line; a turn that cannot be rebuilt exactly is counted lost and left out, never guessed.
+Once a session is closed or deleted nothing more is written: a call still in flight then is
+answered with an error and its turn is not recorded.
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, StoredTurn, TrainingTrace, rebuild_turns
+from harness_rl.trace import (
+    PrefixBreak,
+    PromptSource,
+    Reply,
+    Sampling,
+    StoredTurn,
+    TrainingTrace,
+    VersionSpan,
+    rebuild_turns,
+)
 from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
 from proxy.control_api import Recovery, SessionSummary
 from proxy.errors import ProxyError
@@ -39,17 +49,14 @@ from proxy.store import (
     key_digest,
     private_dir,
 )
-
-DIGEST = 8  # bytes per message digest
+from proxy.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messages, digests
 
 
 @dataclass(slots=True)
 class CapturedTurn:
     line: bytes
-    message_digests: bytes
-    tools_digest: int | None
     delivered: bool = True
-    depth: int = 0  # delta hops to a turn stored whole (0: this one is)
+    depth: int = 0  # delta hops on disk to a turn stored whole (0: this one is)
 
 
 @dataclass(slots=True)
@@ -61,11 +68,14 @@ class TurnCapture:
     completion_ids: list[int]
     logps: list[float]
     messages: list[bytes]  # each forwarded message, JSON-encoded
+    message_digests: bytes  # proxy.tito.digests(messages)
     tools: bytes | None  # the forwarded tools list, JSON-encoded
     reply: Reply
     sampling: Sampling
+    rendered: tuple[int, int] | None  # proxy.tito.fingerprint of the template's rendering of the conversation
     metadata: dict[str, Any]
     policy_version: int | None
+    version_spans: list[VersionSpan]
     finish_reason: str | None
     started_at: float
     finished_at: float
@@ -80,6 +90,8 @@ class Session:
         self.max_chain = max_chain
         self.graph = CaptureGraph()
         self.turns: dict[str, CapturedTurn] = {}
+        self.replies = ReplyIndex()
+        self.continued: set[str] = set()  # turns the agent went on from although no prompt extends them
         self.closed = False
         self.deleted = False
         self.calls = 0
@@ -127,18 +139,20 @@ class Session:
             node_id = secrets.token_hex(6)
         completion_text = token_text(capture.completion_ids)
         sequence = capture.prompt_text + completion_text
-        node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
-                    capture.started_at)
-        base = self.graph.add(node, sequence)
-        digests = array("q", map(hash, capture.messages)).tobytes()
+        message_digests = capture.message_digests
         tools_digest = hash(capture.tools) if capture.tools is not None else None
-        base_turn = self.turns.get(base.node_id) if base.node_id else None
-        prefix = _common_digest_prefix(base_turn.message_digests, digests) if base_turn else 0
+        node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
+                    capture.started_at, request_key=_request_key(message_digests, tools_digest),
+                    tokens=capture.n_prompt + len(capture.completion_ids))
+        base = self.graph.add(node, sequence)
+        base_turn = self.replies.calls.get(base.node_id) if base.node_id else None
+        prefix = common_messages(base_turn.message_digests, message_digests) if base_turn else 0
         inherit_tools = base_turn is not None and tools_digest is not None and base_turn.tools_digest == tools_digest
         stored = StoredTurn(
             node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared),
             tail=token_ids(sequence[base.shared:]), n_prompt=capture.n_prompt, per_token_logps=capture.logps,
-            policy_version=capture.policy_version, finish_reason=capture.finish_reason,
+            policy_version=capture.policy_version, version_spans=capture.version_spans,
+            finish_reason=capture.finish_reason,
             prompt_source=capture.prompt_source, prefix_break=capture.prefix_break, messages_prefix=prefix,
             messages=[msgspec.Raw(m) for m in capture.messages[prefix:]],
             tools=None if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),  # type: ignore[arg-type]
@@ -146,7 +160,8 @@ class Session:
             started_at=capture.started_at, finished_at=capture.finished_at,
         )
         line = encode_line(stored)
-        depth = base_turn.depth + 1 if base_turn is not None and (stored.shared or prefix or inherit_tools) else 0
+        depth = self.turns[base.node_id].depth + 1 if base.node_id and (stored.shared or prefix or inherit_tools) \
+            else 0
         if self.max_chain is not None and depth > self.max_chain:  # the log gets this turn whole, memory the delta
             depth = 0
             self.log.append(encode_line(msgspec.structs.replace(
@@ -155,7 +170,9 @@ class Session:
                 tools=None if capture.tools is None else msgspec.Raw(capture.tools))))
         else:
             self.log.append(line)
-        self.turns[node_id] = CapturedTurn(line, digests, tools_digest, depth=depth)
+        self.turns[node_id] = CapturedTurn(line, depth=depth)
+        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered))
+        self._note_continuation(capture.prefix_break)
         return node_id
 
     def mark_undelivered(self, node_id: str) -> None:
@@ -195,7 +212,7 @@ class Session:
         if wrong is not None:
             return Problem(f"turn {line.node_id}: {wrong}", damaged=True)
         depends = bool(line.shared or line.messages_prefix or line.tools_inherited)
-        base = self.turns.get(line.base) if depends and line.base else None
+        base = self.replies.calls.get(line.base) if depends and line.base else None
         if depends and base is None:
             return Problem(f"turn {line.node_id} is stored against {line.base!r}, which is missing or lost")
         base_sequence = self.graph.sequence(line.base) if base is not None and line.base else b""
@@ -208,17 +225,24 @@ class Session:
             return Problem(f"turn {line.node_id}: {len(line.per_token_logps)} logprobs for a "
                            f"{n_tokens}-token sequence with a {line.n_prompt}-token prompt", damaged=True)
         prompt_len = offset_after(sequence, line.n_prompt)
-        own = array("q", (hash(msgspec.json.encode(m)) for m in line.messages or ())).tobytes()
-        digests = (base.message_digests[:line.messages_prefix * DIGEST] if base else b"") + own
+        own = digests([msgspec.json.encode(m) for m in line.messages or ()])
+        message_digests = (base.message_digests[:line.messages_prefix * DIGEST] if base else b"") + own
         tools_digest = base.tools_digest if line.tools_inherited and base else (
             hash(msgspec.json.encode(line.tools)) if line.tools is not None else None)
-        node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None, line.started_at
-                    or 0.0)
+        node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None,
+                    line.started_at or 0.0, request_key=_request_key(message_digests, tools_digest),
+                    tokens=sequence.count(SEP))
         self.graph.add(node, sequence)
-        self.turns[line.node_id] = CapturedTurn(raw + b"\n", digests, tools_digest,
-                                                depth=base.depth + 1 if base is not None else 0)
+        depth = self.turns[line.base].depth + 1 if base is not None and line.base else 0
+        self.turns[line.node_id] = CapturedTurn(raw + b"\n", depth=depth)
+        self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply))
+        self._note_continuation(line.prefix_break)
         self.calls += 1
         return None
+
+    def _note_continuation(self, prefix_break: PrefixBreak | None) -> None:
+        if prefix_break is not None and prefix_break.against and prefix_break.cause in CONTINUING:
+            self.continued.add(prefix_break.against)
 
     def summary(self) -> SessionSummary:
         return SessionSummary(id=self.id, created_at=self.opened.created_at, closed=self.closed,
@@ -228,7 +252,7 @@ class Session:
 
     def snapshot(self) -> TraceSnapshot:
         """What a trace is built from, copied out of the live session (cheap: no decoding)."""
-        parents, roles = self.graph.roles()
+        parents, roles = self.graph.roles(self.continued)
         rows = [(node_id, c.line, c.delivered) for node_id, c in self.turns.items()]
         metadata = {**self.opened.metadata, "closed": self.closed, "budget_stops": self.budget_stops}
         return TraceSnapshot(self.id, parents, roles, rows, metadata)
@@ -257,19 +281,9 @@ class TraceSnapshot:
         return TrainingTrace(rollout_id=self.rollout_id, turns=rebuild_turns(stored), metadata=self.metadata)
 
 
-def _common_digest_prefix(a: bytes, b: bytes) -> int:
-    """Leading messages two digest strings share (the usual case, `b` extends `a`, is one comparison)."""
-    if b.startswith(a):
-        return len(a) // DIGEST
-    n = min(len(a), len(b)) // DIGEST
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid * DIGEST] == b[:mid * DIGEST]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _request_key(message_digests: bytes, tools_digest: int | None) -> bytes:
+    """Equal for two calls with the same messages and tools: the second is a retry of the first."""
+    return message_digests + (array("q", [tools_digest]).tobytes() if tools_digest is not None else b"")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
-"""The engine client: asks for exact token capture, retries what is worth retrying, checks the answer.
+"""The engine client: vLLM's token-in routes with exact capture, retries, and checks on every answer.
 
-The engine is vLLM or the embedded engine; both speak vLLM's chat API. Every chat call asks for
-the prompt and completion token ids, the sampled token's logprob and token-id strings, and the
-reply is refused unless ids, logprob tokens and usage all agree.
+The engine is vLLM (0.32+, started with `--enable-scale-out`) or the embedded engine; both answer
+`/v1/chat/completions/render` (messages → prompt ids with the server's own template),
+`/inference/v1/generate` (prompt ids → sampled ids, their logprobs, per-token weight versions) and
+`/v1/chat/completions/derender` (sampled ids → a chat message with the server's tool and reasoning
+parsers). A sample is refused unless its ids, logprobs and usage describe one and the same sample.
 """
 
 from __future__ import annotations
@@ -18,44 +20,68 @@ import aiohttp
 import msgspec
 
 from proxy.capture import ids_text
-from proxy.engine_wire import CHAT_REPLY_DECODER, MODELS_DECODER, NULL, TOKENIZE_DECODER, ChatReply
+from proxy.engine_wire import (
+    DERENDER_DECODER,
+    GENERATE_DECODER,
+    MODELS_DECODER,
+    RENDER_DECODER,
+    TOKENIZE_DECODER,
+    AssistantMessage,
+    DerenderChoice,
+    DerenderRequest,
+    GenerateRequest,
+    GenerateResponse,
+    SamplingParams,
+    WeightVersionSpan,
+)
 from proxy.errors import ProxyError
 
 POLICY_VERSION_HEADER = "x-policy-version"
-VLLM_HINT = ("start vLLM with `--logprobs-mode processed_logprobs --return-tokens-as-token-ids` "
-             "(and `--generation-config vllm`), version 0.10.2 or newer for return_token_ids")
+VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processed_logprobs "
+             "--return-tokens-as-token-ids --generation-config vllm` (`harness-rl serve vllm` does)")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
+# Two one-message replies the template renders alike but for their text: what follows the text in
+# both is how the template closes an assistant turn (the end-of-turn token, then a separator).
+_PROBE = [{"role": "user", "content": "hi"}]
+_PROBE_REPLIES = ("A", "B")
 
 _ENCODER = msgspec.json.Encoder()
 
 
-class EngineChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A chat request to the engine with exact capture on: prompt and sampled ids, sampled logprobs as ids.
+class ChatRender(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A render request: the conversation in the engine's chat form (messages and tools already encoded)."""
 
-    The capture fields have no defaults, so they are always written (omit_defaults drops only the
-    optional sampling fields left unset).
-    """
-
-    messages: list[msgspec.Raw]  # each message already encoded (its bytes are also what the log keeps)
-    return_token_ids: bool
-    logprobs: bool
-    top_logprobs: int
-    return_tokens_as_token_ids: bool
-    stream: bool
-    tools: Any = None  # the tools list already encoded (msgspec.Raw), or None
+    messages: list[msgspec.Raw]
+    add_generation_prompt: bool
+    tools: Any = None
     tool_choice: Any = None
-    temperature: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
 
-    @classmethod
-    def capturing(cls, messages: list[msgspec.Raw], **fields: Any) -> EngineChatRequest:
-        return cls(messages=messages, return_token_ids=True, logprobs=True, top_logprobs=0,
-                   return_tokens_as_token_ids=True, stream=False, **fields)
+
+class Rendered(msgspec.Struct, frozen=True):
+    """Prompt ids as the capture graph's token text (`1,2,3,`), and their count."""
+
+    text: bytes
+    count: int
+
+
+class Generated(msgspec.Struct, frozen=True):
+    """One checked sample: its ids and logprobs, why it ended, which weights produced which tokens."""
+
+    ids: list[int]
+    logps: list[float]
+    finish_reason: str
+    stop_reason: str | int | None
+    spans: list[WeightVersionSpan]
+    policy_version: int | None  # the engine's `x-policy-version` header (the embedded engine sends one)
+    attempts: int
+
+    @property
+    def ends_with_stop_token(self) -> bool:
+        """The last id is the stop token that ended the sample (EOS or a stop_token_ids hit), not text."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str) and bool(self.ids)
 
 
 class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -63,16 +89,6 @@ class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     model: str | None = None
-
-
-class EngineCall(msgspec.Struct, frozen=True):
-    """One engine answer, checked: the reply, its prompt as token text, its policy version, attempts."""
-
-    reply: ChatReply
-    prompt_text: bytes
-    n_prompt: int
-    policy_version: int | None
-    attempts: int
 
 
 class EngineUnreachable(ProxyError):
@@ -97,6 +113,7 @@ class EngineClient:
         self.vocab_size = vocab_size
         self.max_model_len: int | None = None
         self._described = False
+        self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -128,35 +145,111 @@ class EngineClient:
                 self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 
-    async def chat(self, request: EngineChatRequest) -> EngineCall:
-        """Send a capturing chat request and return the checked reply."""
-        model = await self.served_model()
-        if model:
-            request = msgspec.structs.replace(request, model=model)
-        status, data, headers, attempts = await self._send_with_retries("/v1/chat/completions",
-                                                                        _ENCODER.encode(request))
-        if status != 200:
-            raise _engine_error(self.url, status, data, headers)
+    async def render(self, request: ChatRender) -> Rendered:
+        """The prompt ids of a conversation, rendered by the engine's own chat template."""
+        request = msgspec.structs.replace(request, model=await self.served_model())
+        data, _, _ = await self._post("/v1/chat/completions/render", _ENCODER.encode(request))
         try:
-            reply = CHAT_REPLY_DECODER.decode(data)
+            ids = bytes(RENDER_DECODER.decode(data).token_ids)
+            if self.vocab_size is not None:
+                _ids_below(self.vocab_size).decode(ids)
+        except msgspec.ValidationError:
+            raise ProxyError(502, f"the engine at {self.url} rendered a prompt id outside its {self.vocab_size}-token "
+                                  "vocabulary") from None
         except msgspec.DecodeError as exc:
-            raise ProxyError(502, f"the engine at {self.url} sent a chat reply this proxy cannot read: {exc}") from None
-        prompt_text, n_prompt = check_capture(reply, self.url, self.vocab_size)
+            raise ProxyError(502, f"the engine at {self.url} sent a render reply this proxy cannot read: {exc}") \
+                from None
+        rendered = ids_text(ids)
+        if not rendered or not rendered[1]:
+            raise ProxyError(502, f"the engine at {self.url} rendered no prompt ids")
+        return Rendered(*rendered)
+
+    async def generate(self, prompt: Rendered, sampling: SamplingParams) -> Generated:
+        """Sample from prompt ids; the answer is checked before anyone sees it."""
+        request = GenerateRequest(token_ids=msgspec.Raw(b"[" + prompt.text[:-1] + b"]"), sampling_params=sampling,
+                                  model=await self.served_model())
+        data, headers, attempts = await self._post("/inference/v1/generate", _ENCODER.encode(request))
+        try:
+            reply = GENERATE_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise ProxyError(502, f"the engine at {self.url} sent a generate reply this proxy cannot read: "
+                                  f"{exc}") from None
+        if len(reply.choices) != 1:
+            raise ProxyError(502, f"the engine at {self.url} returned {len(reply.choices)} choices, expected 1")
+        choice = reply.choices[0]
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        if choice.token_ids is None or entries is None:
+            raise ProxyError(502, f"the engine at {self.url} returned no sampled token ids or logprobs; {VLLM_HINT}")
+        ids, logps = choice.token_ids, [e.logprob for e in entries]
+        check_sample(self.url, ids, [e.token_id for e in entries], logps, self.vocab_size)
+        if reply.usage is not None and (reply.usage.completion_tokens != len(ids)
+                                        or reply.usage.prompt_tokens != prompt.count):
+            raise ProxyError(502, f"the engine at {self.url} reported usage {reply.usage.prompt_tokens}+"
+                                  f"{reply.usage.completion_tokens} tokens for a {prompt.count}-token prompt and "
+                                  f"{len(ids)} sampled ids")
         version = headers.get(POLICY_VERSION_HEADER)
-        policy_version = int(version) if version and version.isdigit() else None
-        return EngineCall(reply, prompt_text, n_prompt, policy_version, attempts)
+        return Generated(ids, logps, choice.finish_reason or "stop", choice.stop_reason, choice.weight_versions or [],
+                         int(version) if version and version.isdigit() else None, attempts)
+
+    async def derender(self, sample: Generated, chat_request: bytes, prompt_tokens: int) -> AssistantMessage:
+        """The chat message the engine's parsers read from a sample's ids (a trailing stop token left out,
+        as the chat route leaves it out of the text)."""
+        ids = sample.ids[:-1] if sample.ends_with_stop_token else sample.ids
+        if not ids:
+            return AssistantMessage(content="")
+        request = DerenderRequest(generate_response=GenerateResponse([DerenderChoice(ids, sample.finish_reason)]),
+                                  chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt_tokens,
+                                  model=await self.served_model())
+        data, _, _ = await self._post("/v1/chat/completions/derender", _ENCODER.encode(request))
+        try:
+            message = DERENDER_DECODER.decode(data).choices[0].message
+        except (msgspec.DecodeError, IndexError) as exc:
+            raise ProxyError(502, f"the engine at {self.url} sent a derender reply this proxy cannot read: "
+                                  f"{exc}") from None
+        if isinstance(sample.stop_reason, str) and message.content:
+            # vLLM's derender does not apply stop strings; the chat route cuts the text before the match
+            cut = message.content.find(sample.stop_reason)
+            message = msgspec.structs.replace(message, content=message.content[:cut] if cut >= 0 else message.content)
+        return message
+
+    async def closing(self) -> tuple[int, bytes] | None:
+        """How the engine's template closes an assistant turn: the end-of-turn id, and the token text after it.
+
+        Learned once from two probe renders and kept; None (asked again next time) while the engine
+        cannot say, or when the template closes turns in a way this probe cannot read.
+        """
+        if self._closing is None:
+            renders = await asyncio.gather(*(self.render(ChatRender(
+                messages=[msgspec.Raw(_ENCODER.encode(m)) for m in [*_PROBE, {"role": "assistant", "content": r}]],
+                add_generation_prompt=False)) for r in _PROBE_REPLIES))
+            a, b = (r.text.split(b",")[:-1] for r in renders)
+            shared = 0
+            while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:
+                shared += 1
+            if shared == 0:
+                return None
+            suffix = a[len(a) - shared:]
+            self._closing = (int(suffix[0]), b"".join(t + b"," for t in suffix[1:]))
+        return self._closing
 
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
         """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
         body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
-        status, data, headers, _ = await self._send_with_retries("/tokenize", _ENCODER.encode(body))
-        if status != 200:
-            raise _engine_error(self.url, status, data, headers)
+        data, _, _ = await self._post("/tokenize", _ENCODER.encode(body))
         try:
             return TOKENIZE_DECODER.decode(data).count
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.url} sent a /tokenize reply this proxy cannot read: "
                                   f"{exc}") from None
+
+    async def _post(self, path: str, payload: bytes) -> tuple[bytes, Any, int]:
+        status, data, headers, attempts = await self._send_with_retries(path, payload)
+        if status in (403, 404) and path != "/tokenize":
+            raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
+                                  f"{_error_message(data)}); {VLLM_HINT}")
+        if status != 200:
+            raise _engine_error(self.url, status, data, headers)
+        return data, headers, attempts
 
     async def _send_with_retries(self, path: str, payload: bytes) -> tuple[int, bytes, Any, int]:
         """POST, retrying 408/429/5xx answers and lost connections; every attempt and wait ends by one deadline.
@@ -260,59 +353,24 @@ def _error_message(data: bytes) -> str:
     return str(decoded)[:500]
 
 
-def check_capture(reply: ChatReply, url: str, vocab_size: int | None = None) -> tuple[bytes, int]:
-    """Refuse a reply whose token ids, logprobs and usage do not describe one and the same sample.
-
-    Returns the prompt ids as the capture graph's token text, and their count.
-    """
-    if len(reply.choices) != 1:
-        raise ProxyError(502, f"the engine at {url} returned {len(reply.choices)} choices, expected 1")
-    choice = reply.choices[0]
-    content = choice.logprobs.content if choice.logprobs is not None else None
-    has_prompt = reply.prompt_token_ids != NULL
-    if not has_prompt or choice.token_ids is None or content is None:
-        missing = [name for name, absent in (("prompt_token_ids", not has_prompt),
-                                             ("choices[0].token_ids", choice.token_ids is None),
-                                             ("choices[0].logprobs.content", content is None)) if absent]
-        raise ProxyError(502, f"the engine at {url} returned no {', '.join(missing)}: token capture needs "
-                              f"return_token_ids and sampled-token logprobs; {VLLM_HINT}")
-    prompt = ids_text(bytes(reply.prompt_token_ids))
-    if not prompt or not prompt[1]:
-        raise ProxyError(502, f"the engine at {url} returned a prompt_token_ids that is not a non-empty array of "
-                              "token ids")
-    if vocab_size is not None:
-        try:
-            _ids_below(vocab_size).decode(bytes(reply.prompt_token_ids))
-        except msgspec.ValidationError:
-            raise ProxyError(502, f"the engine at {url} returned a prompt id outside its {vocab_size}-token "
-                                  "vocabulary") from None
-    ids = choice.token_ids
-    if len(content) != len(ids):
-        raise ProxyError(502, f"the engine at {url} returned {len(content)} logprobs for {len(ids)} sampled tokens")
-    check_sample(ids, [entry.logprob for entry in content], url, vocab_size)
-    expected = [f"token_id:{i}" for i in ids]
-    actual = [entry.token for entry in content]
-    if actual != expected:
-        k = next(k for k, (a, e) in enumerate(zip(actual, expected, strict=True)) if a != e)
-        raise ProxyError(502, f"the engine at {url} returned logprob token {actual[k]!r} at position {k} for "
-                              f"sampled id {ids[k]}; {VLLM_HINT}")
-    prompt_text, n_prompt = prompt
-    if reply.usage is not None and (reply.usage.completion_tokens != len(ids) or reply.usage.prompt_tokens != n_prompt):
-        raise ProxyError(502, f"the engine at {url} reported usage {reply.usage.prompt_tokens}+"
-                              f"{reply.usage.completion_tokens} tokens but returned {n_prompt}+{len(ids)} ids")
-    return prompt_text, n_prompt
-
-
-def check_sample(ids: list[int], logps: list[float], url: str, vocab_size: int | None) -> None:
-    """Refuse sampled ids outside the vocabulary and logprobs that are positive or not finite (C-speed scans)."""
-    if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
-        bad = next(i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size))
-        size = f"its {vocab_size}-token vocabulary" if vocab_size is not None else "any vocabulary"
-        raise ProxyError(502, f"the engine at {url} returned sampled token id {bad}, outside {size}")
-    if logps and (not all(map(math.isfinite, logps)) or max(logps) > 0):
-        lp = next(lp for lp in logps if not (math.isfinite(lp) and lp <= 0))
-        raise ProxyError(502, f"the engine at {url} returned logprob {lp} for a sampled token; a logprob is finite "
-                              "and at most 0")
+def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float],
+                 vocab_size: int | None = None) -> None:
+    """Refuse a sample whose ids and logprobs do not describe one and the same sample of a distribution
+    (C-speed scans: ids inside the vocabulary when its size is known, logprobs finite and at most 0)."""
+    if len(logps) != len(ids):
+        raise ProxyError(502, f"the engine at {url} returned {len(logps)} logprobs for {len(ids)} sampled tokens")
+    if logprob_ids != ids:
+        k = next(k for k, (a, e) in enumerate(zip(logprob_ids, ids, strict=True)) if a != e)
+        raise ProxyError(502, f"the engine at {url} returned a logprob for token {logprob_ids[k]} at position {k} "
+                              f"of sampled id {ids[k]}; {VLLM_HINT}")
+    if ids and min(ids) < 0:
+        raise ProxyError(502, f"the engine at {url} returned a negative token id {min(ids)}")
+    if ids and vocab_size is not None and max(ids) >= vocab_size:
+        raise ProxyError(502, f"the engine at {url} returned token id {max(ids)}, outside its {vocab_size}-token "
+                              "vocabulary")
+    bad = next((lp for lp in logps if not math.isfinite(lp) or lp > 0), None)
+    if bad is not None:
+        raise ProxyError(502, f"the engine at {url} returned a logprob {bad!r} that is not finite and <= 0")
 
 
 @functools.cache

@@ -16,6 +16,8 @@ import pytest
 if TYPE_CHECKING:
     from harness_rl.engine import Engine
 
+pytest_plugins = ["vllm_fixtures"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -68,8 +70,12 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake = fake_engine_server[0]
     fake.script.clear()
     fake.requests.clear()
+    fake.conversations.clear()
     fake.version = None
     fake.capture = True
+    fake.drift = False
+    fake.drop_reasoning = False
+    fake.open_thinking = False
     return fake
 
 

@@ -100,8 +100,8 @@ def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     for turn in trace.turns:
         assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
     assert agents[0].finish_reason == "tool_calls" and agents[0].request.tools
-    for parent, child in zip(agents, agents[1:], strict=False):
-        assert child.parent_id == parent.node_id
+    for parent, child in zip(agents, agents[1:], strict=False):  # token in, token out: one chain
+        assert child.parent_id == parent.node_id and child.prompt_source == "spliced"
         assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
     rows = trace_rows(trace)
     assert sum(row.n_trained for row in rows) == sum(len(t.completion_token_ids) for t in agents)
@@ -113,33 +113,36 @@ def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
 
 
 async def test_opencode_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("bash", {"command": GREETING, "description": "Write the greeting"}), "Done."],
+    force(engine_url, tools=[tool_call("bash", {"command": GREETING, "description": "Write the greeting"}),
+                             tool_call("bash", {"command": "cat greeting.txt", "description": "Check it"}), "Done."],
           no_tools=["Greeting file"] * 3)
     outcome = await run_once(proxy, "opencode", load_task(TASKS / "write-greeting"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"bash": 1} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"bash": 2} and outcome.tool_failure_count == 0
     assert outcome.completion == "Done."
-    assert sorted(t.role for t in outcome.trace.turns) == ["agent", "agent", "auxiliary"]
+    assert sorted(t.role for t in outcome.trace.turns) == ["agent", "agent", "agent", "auxiliary"]
     title = next(t for t in outcome.trace.turns if t.role == "auxiliary")
     assert not title.request.tools and title.parent_id is None
 
 
 async def test_claude_code_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("Bash", {"command": FIX, "description": "Fix the off-by-one"}),
+    force(engine_url, tools=[tool_call("Bash", {"command": "cat mathlib.py", "description": "Read the code"}),
+                             tool_call("Bash", {"command": FIX, "description": "Fix the off-by-one"}),
                              "Fixed the bug."])
     outcome = await run_once(proxy, "claude-code", load_task(TASKS / "fix-off-by-one"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"Bash": 1} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"Bash": 2} and outcome.tool_failure_count == 0
     assert outcome.completion == "Fixed the bug."
-    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
     request = outcome.trace.turns[0].request
     assert request.messages[0]["role"] == "system" and "billing-header" not in json.dumps(request.messages)
 
 
 async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("bash", {"command": FIX}), tool_call("bash", {"command": SUBMIT})])
+    force(engine_url, tools=[tool_call("bash", {"command": "cat mathlib.py"}), tool_call("bash", {"command": FIX}),
+                             tool_call("bash", {"command": SUBMIT})])
     outcome = await run_once(proxy, "mini-swe-agent", load_task(TASKS / "fix-off-by-one"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"bash": 2} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"bash": 3} and outcome.tool_failure_count == 0
     assert outcome.completion == "Submitted"
-    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]

@@ -17,6 +17,7 @@ HEAVY = ("torch", "transformers")
     "import harness_rl.outcome",
     "import proxy",
     "import adapters",
+    "import harness_rl.vllm_server",
     "from harness_rl.cli import build_parser; build_parser()",
     "import harness_rl.viewer.load, harness_rl.viewer.page, harness_rl.viewer.tokens",
 ])

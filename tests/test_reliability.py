@@ -368,12 +368,12 @@ def test_5_ids_outside_the_vocabulary_are_refused(start: Callable[..., RunningPr
     assert turns_of(configured.proxy, configured.session["id"]) == []
 
 
-def test_5_sample_checks_refuse_non_finite_logprobs() -> None:
+def test_5_sample_checks_refuse_non_finite_logprobs_and_ids_outside_the_vocabulary() -> None:
     for ids, logps in (([1, 2], [-0.1, math.nan]), ([1], [-math.inf]), ([1], [math.inf]), ([5], [-0.1])):
         with pytest.raises(ProxyError) as refused:
-            check_sample(ids, logps, "http://engine", vocab_size=5)
+            check_sample("http://engine", ids, ids, logps, vocab_size=5)
         assert refused.value.status == 502
-    check_sample([0, 4], [0.0, -30.0], "http://engine", vocab_size=5)
+    check_sample("http://engine", [0, 4], [0, 4], [0.0, -30.0], vocab_size=5)
 
 
 # ------------------------------------------------------------------------------- 6. read timeouts, limits

@@ -10,7 +10,7 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -138,13 +138,13 @@ class Engine:
         return self._policy_version
 
     @property
-    def is_paused(self) -> bool:
-        return self._paused
+    def vocab_size(self) -> int:
+        """Token ids below this are valid (the larger of the tokenizer's and the model's vocabulary)."""
+        return max(len(self.tokenizer), self._vocab_size)
 
     @property
-    def vocab_size(self) -> int:
-        """Rows of the model's output: every id it can sample is below this."""
-        return self._vocab_size
+    def is_paused(self) -> bool:
+        return self._paused
 
     @property
     def num_requests(self) -> int:
@@ -153,12 +153,17 @@ class Engine:
             return sum(not g.finished for g in (*self._waiting, *self._active))
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, forced_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        forced_ids: list[int] | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[GenerationUpdate, None]:
         """Yield updates (one per sampled token) until the request finishes.
 
         `forced_ids` makes the completion those ids (teacher forcing) while every logprob is still
-        the model's own for the request's sampling processing. Abandoning the iterator aborts it.
+        the model's own for the request's sampling processing. Abandoning the iterator aborts it,
+        and so does `abort([request_id])`.
         """
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = Generation(
@@ -168,6 +173,7 @@ class Engine:
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             forced_ids=forced_ids,
+            request_id=request_id,
         )
         with self._cond:
             if self._closed:
@@ -222,6 +228,19 @@ class Engine:
             return
         while self._active:
             await asyncio.sleep(0.005)
+
+    def abort(self, request_ids: Collection[str]) -> None:
+        """End the named requests with finish_reason "abort": running ones at their next step,
+        waiting ones at once (vLLM's `/abort_requests`; unknown ids are ignored)."""
+        with self._cond:
+            for gen in self._active:
+                if gen.request_id in request_ids:
+                    gen.cancelled = True
+            for gen in [g for g in self._waiting if g.request_id in request_ids]:
+                self._waiting.remove(gen)
+                gen.finished = True
+                gen.send(GenerationUpdate((), "", "abort", None, self._policy_version))
+            self._cond.notify_all()
 
     def resume(self) -> None:
         with self._cond:
@@ -349,12 +368,15 @@ class Engine:
         token = forced if forced is not None else choose_token(processed, params, gen.generator)
         reported = processed if self.logprobs_mode == "processed_logprobs" else torch.log_softmax(logits.float(), -1)
         top: tuple[tuple[int, float], ...] = ()
+        rank = None
+        if params.logprobs is not None:
+            rank = int((reported > reported[token]).sum()) + 1
         if params.logprobs:
             values, ids = torch.topk(reported, min(params.logprobs, reported.shape[-1]))
             top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
         gen.token_ids.append(token)
         update = self._stops.step(gen)
-        sampled = SampledToken(token, float(reported[token]), top)
+        sampled = SampledToken(token, float(reported[token]), top, rank, self._policy_version)
         gen.finished = update.finish_reason is not None
         return GenerationUpdate((sampled,), update.text, update.finish_reason, update.stop_reason, gen.policy_version)
 

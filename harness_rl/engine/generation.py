@@ -11,11 +11,14 @@ from harness_rl.engine.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SampledToken:
-    """One completion token with its logprob (and the top alternatives when asked for)."""
+    """One completion token with its logprob, the top alternatives and its rank (1 = most likely)
+    when logprobs were asked for, and the weight version whose forward pass chose it."""
 
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class PromptLogprob:
 @dataclass(frozen=True)
 class GenerationUpdate:
     """What one engine step adds to a request: new tokens, new stable text, maybe the end. The
-    first update of a request that asked for `prompt_logprobs` carries them (position 0 has none)."""
+    first update of a request that asked for `prompt_logprobs` carries them (position 0 has none).
+    `policy_version` is the version the request started under; each token carries its own."""
 
     tokens: tuple[SampledToken, ...]
     text: str
@@ -52,6 +56,7 @@ class Generation:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     forced_ids: list[int] | None = None
+    request_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     text: str = ""

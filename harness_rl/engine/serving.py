@@ -45,11 +45,19 @@ class ServerHandle:
 
 
 def serve_in_thread(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0, *, forced_completions: bool = False
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    forced_completions: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> ServerHandle:
     """Serve `engine` on `host:port` (0 = a free port) from a background loop."""
     loop = BackgroundLoop("engine-server")
-    runner = make_runner(create_app(engine, forced_completions=forced_completions))
+    app = create_app(
+        engine, forced_completions=forced_completions, return_tokens_as_token_ids=return_tokens_as_token_ids
+    )
+    runner = make_runner(app)
 
     async def start() -> int:
         await runner.setup()
