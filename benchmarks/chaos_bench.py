@@ -13,9 +13,9 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
                  served, whether each is exact, lost / quarantined / duplicate counts, whether the file
                  was left as it was, and whether the other session is intact
   stalled        1,000 connections that stall (400 send nothing, 400 half a request head, 200 half a
-                 body) against --header-timeout-s 2 --body-timeout-s 2, while 8 agents keep calling: when
-                 each stalled connection is closed, and the agents' p50/p99 latency beside a run without
-                 stalls (3 repeats, medians)
+                 body; from a process of their own) against --header-timeout-s 2 --body-timeout-s 2,
+                 while 8 agents keep calling (50 ms between calls): when each stalled connection is
+                 closed, and the agents' p50/p99 latency beside a run without stalls (3 repeats, medians)
   chain cost     bytes per turn of a 50- and a 200-turn agent session (12 KB system prompt, 2 KB tool
                  output per step) for --max-chain none, 64, 32, 16, 8
 
@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ADMIN_TOKEN = "chaos-bench-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+THINK_S = 0.05  # an agent's pause between calls in the stalled-connection runs (agents run tools between calls)
 SYSTEM = "You are a careful coding agent. Follow the repository's conventions. "
 
 
@@ -310,35 +311,43 @@ async def damaged_stores(engine: str, work: Path) -> None:
 # ---------------------------------------------------------------------------------------- stalled connections
 
 
-async def _stall(url: str, kind: str, head: bytes, results: list[float], opened: asyncio.Event) -> None:
+# The stalled connections come from a process of their own, so the agents' client is not slowed by them.
+STALLER = """
+import asyncio, json, sys, time
+url, body_head, half_head = sys.argv[1], sys.argv[2].encode(), sys.argv[3].encode()
+async def stall(kind):
     host, port = url.removeprefix("http://").split(":")
     try:
         reader, writer = await asyncio.open_connection(host, int(port))
     except OSError:
-        results.append(float("inf"))
-        return
+        return float("inf")
     began = time.monotonic()
     if kind != "silent":
-        writer.write(head)
-    opened.set()
+        writer.write(body_head if kind == "body" else half_head)
     try:
         while await reader.read(65536):
             pass
     except ConnectionError:
         pass
-    results.append(time.monotonic() - began)
     writer.close()
+    return time.monotonic() - began
+async def main():
+    kinds = ["silent"] * 400 + ["head"] * 400 + ["body"] * 200
+    print(json.dumps(await asyncio.gather(*(stall(k) for k in kinds))), flush=True)
+asyncio.run(main())
+"""
 
 
 async def _agent_calls(http: aiohttp.ClientSession, info: dict[str, Any], until: Callable[[], bool],
                        latencies: list[float]) -> None:
-    """Sequential calls of one agent until `until()`, each call's latency appended."""
+    """Calls of one agent, THINK_S apart, until `until()`; each call's latency appended."""
     messages = [{"role": "user", "content": "ping"}]
     while not until():
         began = time.perf_counter()
         content = await chat(http, info["openai_base_url"], info["key"], messages, stream=False)
         latencies.append(time.perf_counter() - began)
         assert content is not None
+        await asyncio.sleep(THINK_S)
 
 
 async def stalled_connections(engine: str, work: Path, repeats: int) -> None:
@@ -366,17 +375,19 @@ async def stalled_connections(engine: str, work: Path, repeats: int) -> None:
                 return time.monotonic() > end
 
             await asyncio.gather(*(_agent_calls(http, info, elapsed, base) for info in infos))
-            stalls: list[float] = []
-            opened = [asyncio.Event() for _ in range(1000)]
-            kinds = ["silent"] * 400 + ["head"] * 400 + ["body"] * 200
-            stall_tasks = [asyncio.create_task(_stall(proxy.url, kind, body_head if kind == "body" else half_head,
-                                                      stalls, ev)) for kind, ev in zip(kinds, opened, strict=True)]
+            staller = await asyncio.create_subprocess_exec(
+                PYTHON, "-c", STALLER, proxy.url, body_head.decode(), half_head.decode(),
+                stdout=asyncio.subprocess.PIPE)
             during: list[float] = []
 
-            def all_closed(tasks: list[asyncio.Task[None]] = stall_tasks) -> bool:
-                return all(t.done() for t in tasks)
+            def all_closed(process: asyncio.subprocess.Process = staller) -> bool:
+                return process.returncode is not None
 
-            await asyncio.gather(*(_agent_calls(http, info, all_closed, during) for info in infos))
+            calls = asyncio.gather(*(_agent_calls(http, info, all_closed, during) for info in infos))
+            assert staller.stdout is not None
+            stalls: list[float] = json.loads(await staller.stdout.readline())
+            await staller.wait()
+            await calls
             figures["base p50"].append(quantile(base, 0.5) * 1000)
             figures["base p99"].append(quantile(base, 0.99) * 1000)
             figures["stall p50"].append(quantile(during, 0.5) * 1000)
@@ -428,6 +439,8 @@ async def main() -> None:
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the stalled-connection run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("kill", "damage", "stalled", "chain"), action="append",
+                        help="run only these sections (repeatable; default: all)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536) if hard != resource.RLIM_INFINITY else 65536, hard))
@@ -436,10 +449,15 @@ async def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
             work = Path(tmp)
-            await kill_rounds(engine, work, args.rounds, args.agents, random.Random(args.seed))
-            await damaged_stores(engine, work)
-            await stalled_connections(engine, work, args.repeats)
-            await chain_cost(engine, work)
+            only = set(args.only or ("kill", "damage", "stalled", "chain"))
+            if "kill" in only:
+                await kill_rounds(engine, work, args.rounds, args.agents, random.Random(args.seed))
+            if "damage" in only:
+                await damaged_stores(engine, work)
+            if "stalled" in only:
+                await stalled_connections(engine, work, args.repeats)
+            if "chain" in only:
+                await chain_cost(engine, work)
     finally:
         engine_process.kill()
     print(f"\ndone  [{load()}]")

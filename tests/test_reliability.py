@@ -42,7 +42,8 @@ from proxy.upstream import check_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = {"Authorization": "Bearer admin"}
-CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+CHAT: dict[str, Any] = {"model": "policy", "messages": MESSAGES}
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -198,12 +199,12 @@ def test_1_model_name_is_asked_until_the_engine_serves(tmp_path: Path) -> None:
                          retries=0, request_timeout_s=5)
     with serve_proxy(config) as proxy:
         agent = Agent(proxy)
-        assert agent.chat(CHAT["messages"], model="gpt-4o").status_code == 502  # the engine is still loading
+        assert agent.chat(MESSAGES, model="gpt-4o").status_code == 502  # the engine is still loading
         with BackgroundLoop("late-engine") as loop:
             runner, _ = loop.run(start_fake_engine(HostileEngine(), port=port))
             try:
                 for model in ("gpt-4o", "policy"):
-                    got = agent.chat(CHAT["messages"], model=model)
+                    got = agent.chat(MESSAGES, model=model)
                     assert got.status_code == 200, got.text
                     assert got.json()["model"] == model
             finally:
@@ -347,23 +348,23 @@ def test_5_an_impossible_sample_is_refused_and_not_recorded(start: Callable[...,
                                                             tamper: Callable[[dict[str, Any]], None]) -> None:
     agent = Agent(start())
     hostile.faults.tamper = tamper
-    got = agent.chat(CHAT["messages"])
+    got = agent.chat(MESSAGES)
     assert got.status_code == 502, got.text
     assert turns_of(agent.proxy, agent.session["id"]) == []
     hostile.faults.tamper = None
-    assert agent.chat(CHAT["messages"]).status_code == 200
+    assert agent.chat(MESSAGES).status_code == 200
 
 
 def test_5_ids_outside_the_vocabulary_are_refused(start: Callable[..., RunningProxy], hostile: HostileEngine) -> None:
     hostile.faults.card = {"vocab_size": 1_000_100}  # the fake engine's ids stay below 1_000_100
     learned = Agent(start())
-    assert learned.chat(CHAT["messages"]).status_code == 200
+    assert learned.chat(MESSAGES).status_code == 200
     hostile.faults.tamper = set_first_id(1_000_100)
-    got = learned.chat(CHAT["messages"])
+    got = learned.chat(MESSAGES)
     assert got.status_code == 502 and "vocabulary" in got.json()["error"]["message"]
     hostile.faults.card = {}
     configured = Agent(start(vocab_size=1_000_100))
-    assert configured.chat(CHAT["messages"]).status_code == 502
+    assert configured.chat(MESSAGES).status_code == 502
     assert len(turns_of(learned.proxy, learned.session["id"])) == 1
     assert turns_of(configured.proxy, configured.session["id"]) == []
 
@@ -402,7 +403,7 @@ def test_6_stalled_connections_are_closed_within_the_header_timeout(start: Calla
     half = [_connect(proxy.url) for _ in range(20)]
     for sock in half:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-    assert agent.chat(CHAT["messages"]).status_code == 200  # everyone else is served meanwhile
+    assert agent.chat(MESSAGES).status_code == 200  # everyone else is served meanwhile
     waited = [_closed_after(sock, opened) for sock in silent + half]
     assert max(waited) < 2.5, max(waited)  # 0.5 s, and slack for a loaded machine
     for sock in silent + half:
@@ -433,25 +434,18 @@ def test_6_connections_beyond_the_limits_are_answered_503(start: Callable[..., R
         agent = Agent(proxy)
         held = [_connect(proxy.url) for _ in range(2)]
         time.sleep(0.05)
-        refused = agent.chat(CHAT["messages"])
+        refused = agent.chat(MESSAGES)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         assert "connection limit" in refused.json()["error"]["message"]
         assert refused.headers.get("Connection", "").lower() == "close"
         for sock in held:
             sock.close()
         time.sleep(0.05)
-        assert agent.chat(CHAT["messages"]).status_code == 200
+        assert agent.chat(MESSAGES).status_code == 200
         assert httpx.get(f"{proxy.url}/health").json()["connections"] >= 0
 
 
 # ------------------------------------------------------------------------------- 7. close / delete in flight
-
-
-def _in_flight(agent: Agent) -> tuple[threading.Thread, list[httpx.Response]]:
-    answers: list[httpx.Response] = []
-    thread = threading.Thread(target=lambda: answers.append(agent.chat(CHAT["messages"])))
-    thread.start()
-    return thread, answers
 
 
 def _open_paths() -> set[str]:
@@ -462,38 +456,32 @@ def _open_paths() -> set[str]:
     return out
 
 
-def test_7_delete_with_a_call_in_flight_writes_nothing_after(start: Callable[..., RunningProxy],
-                                                            hostile: HostileEngine) -> None:
+@pytest.mark.parametrize("action", ["close", "delete"])
+def test_7_close_or_delete_with_a_call_in_flight_writes_nothing_after(
+        start: Callable[..., RunningProxy], hostile: HostileEngine, action: str) -> None:
     proxy = start()
     agent = Agent(proxy)
-    assert agent.chat(CHAT["messages"]).status_code == 200
+    assert agent.chat(MESSAGES).status_code == 200
+    session = f"{proxy.url}/sessions/{agent.session['id']}"
     log = Path(proxy.proxy.config.store_dir) / f"{agent.session['id']}.jsonl"
     hostile.faults.delay_s = 0.6
-    thread, answers = _in_flight(agent)
+    answers: list[httpx.Response] = []
+    call = threading.Thread(target=lambda: answers.append(agent.chat(MESSAGES)))
+    call.start()
+    time.sleep(0.2)  # the call is at the engine now
+    done = httpx.delete(session, headers=ADMIN) if action == "delete" else httpx.post(f"{session}/close",
+                                                                                      headers=ADMIN)
+    assert done.status_code == 200
+    sealed = log.read_bytes() if log.exists() else None
+    call.join(10)
     time.sleep(0.2)
-    assert httpx.delete(f"{proxy.url}/sessions/{agent.session['id']}", headers=ADMIN).status_code == 200
-    thread.join(10)
-    assert answers[0].status_code == 404 and "deleted" in answers[0].json()["error"]["message"]
-    time.sleep(0.2)
-    assert not log.exists()
-    assert not any(str(log) in path for path in _open_paths())
-
-
-def test_7_close_with_a_call_in_flight_writes_nothing_after(start: Callable[..., RunningProxy],
-                                                           hostile: HostileEngine) -> None:
-    proxy = start()
-    agent = Agent(proxy)
-    assert agent.chat(CHAT["messages"]).status_code == 200
-    log = Path(proxy.proxy.config.store_dir) / f"{agent.session['id']}.jsonl"
-    hostile.faults.delay_s = 0.6
-    thread, answers = _in_flight(agent)
-    time.sleep(0.2)
-    assert httpx.post(f"{proxy.url}/sessions/{agent.session['id']}/close", headers=ADMIN).status_code == 200
-    closed = log.read_bytes()
-    thread.join(10)
-    assert answers[0].status_code == 409
-    assert log.read_bytes() == closed and closed.endswith(b"\n") and b'"closed"' in closed.splitlines()[-1]
-    assert len(turns_of(proxy, agent.session["id"])) == 1
+    if action == "delete":
+        assert answers[0].status_code == 404 and "deleted" in answers[0].json()["error"]["message"]
+        assert sealed is None and not log.exists()
+    else:
+        assert answers[0].status_code == 409
+        assert sealed is not None and log.read_bytes() == sealed and b'"closed"' in sealed.splitlines()[-1]
+        assert len(turns_of(proxy, agent.session["id"])) == 1
     assert not any(str(log) in path for path in _open_paths())
 
 
@@ -525,7 +513,7 @@ def test_8_keys_and_tokens_are_compared_in_constant_time(start: Callable[..., Ru
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
-    assert agent.chat(CHAT["messages"]).status_code == 200
+    assert agent.chat(MESSAGES).status_code == 200
     assert httpx.get(f"{proxy.url}/sessions", headers=ADMIN).status_code == 200
     assert len(compared) == 2
 
@@ -538,7 +526,7 @@ def test_8_the_store_is_private_and_keys_are_kept_hashed(hostile_server: tuple[H
     config = ProxyConfig(upstream=hostile_server[1], store_dir=str(store), admin_token="admin")
     with serve_proxy(config) as proxy:
         agent = Agent(proxy)
-        assert agent.chat(CHAT["messages"]).status_code == 200
+        assert agent.chat(MESSAGES).status_code == 200
     log = store / f"{agent.session['id']}.jsonl"
     assert stat.S_IMODE(store.stat().st_mode) == 0o700 and stat.S_IMODE(log.stat().st_mode) == 0o600
     assert agent.session["key"].encode() not in log.read_bytes()
@@ -578,13 +566,13 @@ def test_8_the_admin_token_is_never_shown_whole(tmp_path: Path, hostile_server: 
 # ------------------------------------------------------------------------------- lower: input
 
 
-BAD_OPENAI_BODIES = {
+BAD_OPENAI_BODIES: dict[str, dict[str, Any]] = {
     "unknown role": {"messages": [{"role": "robot", "content": "hi"}]},
     "object content": {"messages": [{"role": "user", "content": {"text": "hi"}}]},
     "missing content": {"messages": [{"role": "user"}]},
-    "malformed tool": {"messages": CHAT["messages"], "tools": [{"type": "function", "function": {"nom": "f"}}]},
-    "tool_choice without tools": {"messages": CHAT["messages"], "tool_choice": "required"},
-    "non-boolean logprobs": {"messages": CHAT["messages"], "logprobs": "yes"},
+    "malformed tool": {"messages": MESSAGES, "tools": [{"type": "function", "function": {"nom": "f"}}]},
+    "tool_choice without tools": {"messages": MESSAGES, "tool_choice": "required"},
+    "non-boolean logprobs": {"messages": MESSAGES, "logprobs": "yes"},
     "image": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
 }
 
@@ -602,10 +590,10 @@ def test_bad_openai_bodies_are_400_and_not_recorded(start: Callable[..., Running
 def test_a_seed_must_fit_64_bits(start: Callable[..., RunningProxy]) -> None:
     agent = Agent(start())
     for seed in (2**64, 2**63, -(2**63) - 1):
-        got = agent.chat(CHAT["messages"], seed=seed)
+        got = agent.chat(MESSAGES, seed=seed)
         assert got.status_code == 400 and "seed" in got.json()["error"]["message"]
-    assert agent.chat(CHAT["messages"], seed=2**63 - 1).status_code == 200
-    assert agent.chat(CHAT["messages"], seed=-(2**63)).status_code == 200
+    assert agent.chat(MESSAGES, seed=2**63 - 1).status_code == 200
+    assert agent.chat(MESSAGES, seed=-(2**63)).status_code == 200
 
 
 def test_plain_text_bodies_are_400(start: Callable[..., RunningProxy]) -> None:
@@ -677,7 +665,7 @@ def test_a_429_is_passed_on_with_its_retry_after_within_the_deadline(start: Call
     agent = Agent(start(request_timeout_s=2, retries=3))
     hostile.faults.status, hostile.faults.retry_after = 429, "30"
     began = time.monotonic()
-    got = agent.chat(CHAT["messages"])
+    got = agent.chat(MESSAGES)
     assert time.monotonic() - began < 3  # not 30 s
     assert got.status_code == 429 and got.headers["Retry-After"] == "30"
     assert got.json()["error"]["type"] == "rate_limit_error"
@@ -685,7 +673,7 @@ def test_a_429_is_passed_on_with_its_retry_after_within_the_deadline(start: Call
                            json={**CHAT, "max_tokens": 5}, headers=agent.auth, timeout=10)
     assert anthropic.status_code == 429 and anthropic.json()["error"]["type"] == "rate_limit_error"
     hostile.faults.retry_after = "0"  # short waits are retried, then the 429 itself is passed on
-    assert agent.chat(CHAT["messages"]).status_code == 429
+    assert agent.chat(MESSAGES).status_code == 429
     assert turns_of(agent.proxy, agent.session["id"]) == []
 
 
@@ -693,7 +681,7 @@ def test_retries_end_by_the_request_deadline(start: Callable[..., RunningProxy],
     agent = Agent(start(request_timeout_s=2, retries=20))
     hostile.faults.status, hostile.faults.delay_s = 503, 0.3
     began = time.monotonic()
-    got = agent.chat(CHAT["messages"])
+    got = agent.chat(MESSAGES)
     assert got.status_code in (502, 504) and time.monotonic() - began < 3.5
 
 
@@ -701,7 +689,7 @@ def test_an_oversize_engine_reply_is_refused_unread(start: Callable[..., Running
                                                     hostile: HostileEngine) -> None:
     agent = Agent(start(max_reply_mb=1))
     hostile.faults.pad_bytes = 3 * 2**20
-    got = agent.chat(CHAT["messages"])
+    got = agent.chat(MESSAGES)
     assert got.status_code == 502 and "--max-reply-mb" in got.json()["error"]["message"]
     assert turns_of(agent.proxy, agent.session["id"]) == []
 
