@@ -697,18 +697,23 @@ def test_an_oversize_engine_reply_is_refused_unread(start: Callable[..., Running
 # ------------------------------------------------------------------------------- engine
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
-def test_engine_cancels_a_generation_whose_client_left(tiny_model_dir: Path, stream: bool) -> None:
+LONG_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "ignore_eos": True}
+LONG_GENERATE = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4000, "ignore_eos": True}}
+
+
+@pytest.mark.parametrize(("route", "body", "stream"), [
+    ("/v1/chat/completions", LONG_CHAT, False), ("/v1/chat/completions", LONG_CHAT, True),
+    ("/inference/v1/generate", LONG_GENERATE, False)], ids=["chat", "chat streaming", "generate"])
+def test_engine_cancels_a_generation_whose_client_left(tiny_model_dir: Path, route: str, body: dict[str, Any],
+                                                       stream: bool) -> None:
     from harness_rl.engine import Engine, serve_in_thread
 
     engine = Engine.from_pretrained(tiny_model_dir, served_model_name="tiny")
     try:
         with serve_in_thread(engine) as server:
-            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "ignore_eos": True,
-                    "stream": stream}
             with httpx.Client(timeout=httpx.Timeout(5, read=0.5)) as http, \
                     contextlib.suppress(httpx.TimeoutException):
-                with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as reply:
+                with http.stream("POST", f"{server.url}{route}", json={**body, "stream": stream}) as reply:
                     for _ in reply.iter_bytes():
                         if stream:
                             break
