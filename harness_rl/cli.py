@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from harness_rl import __version__
-from harness_rl.commands import harnesses, serve_engine, serve_proxy, serve_vllm, sft, traces, train, view
+from harness_rl.commands import doctor, harnesses, serve_engine, serve_proxy, serve_vllm, sft, traces, train, view
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft.register(commands)
     harnesses.register(commands)
     view.register(commands)
+    doctor.register(commands)
     return parser
 
 

@@ -148,7 +148,8 @@ class RolloutScheduler:
                 self._check_reachable(sandbox, session)
                 await sandbox.allow(session.openai_base_url)
                 await sandbox.allow(session.anthropic_base_url)
-                endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key)
+                endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key,
+                                    gemini_base_url=session.gemini_base_url)
                 run = await self.harness.run(sandbox, endpoint, task.instruction, self._agent_timeout(task))
                 await self.proxy.close_session(session.id)
                 closed, session = session, None

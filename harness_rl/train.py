@@ -84,8 +84,19 @@ def start_engine(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engi
     kind = settings.weight_sync
     if kind == "auto":
         kind = "http" if _is_embedded_engine(url) else "nccl"
+    _require_exact_capture(url, kind)
     return Engine(url, Path(settings.model), _sync(kind, url, loop, config, run_dir, Path(settings.model)),
                   lambda: None)
+
+
+def _require_exact_capture(url: str, weight_sync: str) -> None:
+    """Refuse an engine that would record wrong tokens or logprobs, naming each flag it lacks (`harness-rl doctor`)."""
+    from harness_rl.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
+
+    try:
+        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=weight_sync)
+    except EngineNotExact as exc:
+        raise RunStopped(str(exc)) from None
 
 
 def _sync(kind: str, url: str, loop: BackgroundLoop, config: RunConfig, run_dir: Path, model_dir: Path) -> WeightSync:
@@ -122,6 +133,7 @@ def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engin
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
     kind = settings.weight_sync if settings.weight_sync != "auto" else "nccl" if cuda else "reload"
     try:
+        _require_exact_capture(server.url, kind)
         sync = _sync(kind, server.url, loop, config, run_dir, model_dir)
     except BaseException:
         server.stop()

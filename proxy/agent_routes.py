@@ -1,8 +1,8 @@
 """The routes agents call: each dialect's body decoded into a `ChatCall`, captured, and answered in kind.
 
-Agents reach their session by path (`/s/{id}/v1/...`) or by presenting the session key as their API
-key on plain `/v1/...`; the key is required either way. A streaming agent whose engine call is slow
-gets its stream opened early with SSE keep-alive comments; the capture runs to its end even if the
+Agents reach their session by path (`/s/{id}/v1/...`, `/s/{id}/v1beta/models/...`) or by presenting the
+session key as their API key on the plain paths; the key is required either way. A streaming agent whose
+engine call is slow gets its stream opened early with keep-alives; the capture runs to its end even if the
 agent leaves, and a completion the agent never received stays in the trace with mask 0.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from proxy import anthropic, openai_chat
+from proxy import anthropic, gemini, openai_chat, openai_responses
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
@@ -27,16 +27,21 @@ from proxy.upstream import EngineClient
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HARNESS_SESSION_HEADERS = ("x-session-id", "proxy-x-session-id", "x-claude-code-session-id")
+SSE_COMMENT = b": keepalive\n\n"
+# Google's generate routes, any case: `/v1beta/models/{model}:{method}` (v1 and v1alpha too)
+GEMINI_PATH = r"/{gemini:(?i:v1(?:beta|alpha)?/models/[^/:]+:[a-z]+)}"
 _ENCODER = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
 class Renderer:
-    """How one dialect writes an answer: whole, as its stream, and an error after the stream opened."""
+    """How one dialect writes an answer: whole, as its stream, an error after the stream opened, and the
+    bytes that keep a stream alive while the engine works (an SSE comment; Google's SDKs choke on those)."""
 
-    whole: Callable[[Answer], bytes]
+    whole: Callable[[Answer, ChatCall], bytes]
     stream: Callable[[Answer, ChatCall], bytes]
     stream_error: Callable[[ProxyError], bytes]
+    keepalive: bytes = SSE_COMMENT
 
 
 def _openai_stream_error(exc: ProxyError) -> bytes:
@@ -48,9 +53,14 @@ def _anthropic_stream_error(exc: ProxyError) -> bytes:
 
 
 RENDERERS = {
-    "openai_chat": Renderer(openai_chat.completion, lambda a, c: openai_chat.sse_events(a, c.include_usage),
-                            _openai_stream_error),
-    "anthropic_messages": Renderer(anthropic.message, lambda a, c: anthropic.sse_events(a), _anthropic_stream_error),
+    "openai_chat": Renderer(lambda a, c: openai_chat.completion(a),
+                            lambda a, c: openai_chat.sse_events(a, c.include_usage), _openai_stream_error),
+    "anthropic_messages": Renderer(lambda a, c: anthropic.message(a), lambda a, c: anthropic.sse_events(a),
+                                   _anthropic_stream_error),
+    "openai_responses": Renderer(openai_responses.response, openai_responses.sse_events,
+                                 openai_responses.stream_error),
+    "google_gemini": Renderer(lambda a, c: gemini.response(a), lambda a, c: gemini.sse_events(a),
+                              gemini.stream_error, keepalive=b"\n"),
 }
 
 
@@ -58,7 +68,8 @@ def presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or None
+    return (request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query.get("key")
+            or None)
 
 
 def harness_headers(request: web.Request, user: str | None) -> dict[str, str]:
@@ -79,12 +90,16 @@ class AgentRoutes:
         self.registry = registry
         self.engine = engine
         self.pipeline = pipeline
+        self.responses_memory = openai_responses.ResponseMemory()
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         for prefix in ("/s/{sid}", ""):
             router.add_post(prefix + "/v1/chat/completions", self.chat_completions)
             router.add_post(prefix + "/v1/messages", self.messages)
             router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
+            router.add_post(prefix + "/v1/responses", self.responses)
+            router.add_post(prefix + "/v1/responses/input_tokens", self.responses_input_tokens)
+            router.add_post(prefix + GEMINI_PATH, self.gemini)
             router.add_get(prefix + "/v1/models", self.models)
         for path in ("/s/{sid}", "/s/{sid}/", "/s/{sid}/v1"):
             router.add_get(path, self.probe)
@@ -93,8 +108,8 @@ class AgentRoutes:
         """The session an agent call belongs to, by path or by key; its own key is always required."""
         presented = presented_key(request)
         if not presented:
-            raise ProxyError(401, "missing API key: present the session key as 'Authorization: Bearer <key>' "
-                                  "or 'x-api-key'")
+            raise ProxyError(401, "missing API key: present the session key as 'Authorization: Bearer <key>', "
+                                  "'x-api-key', 'x-goog-api-key' or '?key='")
         sid = request.match_info.get("sid")
         if sid is not None:
             session = self.registry.by_id.get(sid)
@@ -147,20 +162,61 @@ class AgentRoutes:
         self.session_of(request)
         body, _ = anthropic.decode_body(await self._body(request), count_only=True,
                                         accept_images=self.config.accept_images)
-        call = anthropic.to_call(body, [])
-        count = await self.engine.count_chat_tokens([msgspec.to_builtins(m) for m in call.messages],
-                                                    msgspec.to_builtins(call.tools) if call.tools else None)
+        count = await self._count(anthropic.to_call(body, []))
         return web.Response(body=_ENCODER.encode({"input_tokens": count}), content_type="application/json")
 
-    async def _answer(self, request: web.Request, session: Session, call: ChatCall,
-                      harness: dict[str, str]) -> web.StreamResponse:
+    async def _count(self, call: ChatCall) -> int:
+        """The exact prompt length of a call, from the engine's own chat template."""
+        return await self.engine.count_chat_tokens([msgspec.to_builtins(m) for m in call.messages],
+                                                   msgspec.to_builtins(call.tools) if call.tools else None)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        session = self.session_of(request)
+        body, ignored = openai_responses.decode_body(await self._body(request),
+                                                     accept_images=self.config.accept_images)
+        history = self.responses_memory.history(session, body.previous_response_id)
+        call, conversation = openai_responses.to_call(body, ignored, history)
+        return await self._answer(request, session, call, harness_headers(request, None),
+                                  lambda answer: self.responses_memory.remember(session, conversation, answer))
+
+    async def responses_input_tokens(self, request: web.Request) -> web.Response:
+        """The exact prompt length the same `/v1/responses` request would have."""
+        session = self.session_of(request)
+        body, _ = openai_responses.decode_body(await self._body(request), accept_images=self.config.accept_images)
+        call, _ = openai_responses.to_call(body, [], self.responses_memory.history(session, body.previous_response_id))
+        body_out = {"object": "response.input_tokens", "input_tokens": await self._count(call)}
+        return web.Response(body=_ENCODER.encode(body_out), content_type="application/json")
+
+    async def gemini(self, request: web.Request) -> web.StreamResponse:
+        """`:generateContent`, `:streamGenerateContent?alt=sse` and `:countTokens` of `models/{model}`."""
+        session = self.session_of(request)
+        model, _, named = request.match_info["gemini"].rpartition("/")[2].partition(":")
+        method = named.lower()
+        if method == "counttokens":
+            body = gemini.decode_count_body(await self._body(request), accept_images=self.config.accept_images)
+            count = await self._count(gemini.to_call(body, [], model=model, stream=False))
+            return web.Response(body=_ENCODER.encode({"totalTokens": count}), content_type="application/json")
+        if method not in ("generatecontent", "streamgeneratecontent"):
+            raise ProxyError(404, f"models/{model}:{named} is not served here (generateContent, "
+                                  "streamGenerateContent, countTokens are)")
+        stream = method == "streamgeneratecontent"
+        if stream and request.query.get("alt", "").lower() != "sse":
+            raise ProxyError(400, "streamGenerateContent is served as server-sent events only: add ?alt=sse")
+        body, ignored = gemini.decode_body(await self._body(request), accept_images=self.config.accept_images)
+        return await self._answer(request, session, gemini.to_call(body, ignored, model=model, stream=stream),
+                                  harness_headers(request, None))
+
+    async def _answer(self, request: web.Request, session: Session, call: ChatCall, harness: dict[str, str],
+                      named: Callable[[Answer], Answer] | None = None) -> web.StreamResponse:
+        """Capture the call and answer it; `named` may give the answer the id its dialect refers back to."""
         renderer = RENDERERS[call.dialect]
         gate = self.pipeline.gate
         await gate.enter()
         if not session.admit():
             gate.leave()
             session.record_budget_stop()
-            return await self._reply(request, call, renderer, budget_answer(call), None, None, session)
+            answer = budget_answer(call)
+            return await self._reply(request, call, renderer, named(answer) if named else answer, None, None, session)
         capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness))  # runs on if the agent leaves
 
         def done(task: asyncio.Future) -> None:
@@ -169,7 +225,7 @@ class AgentRoutes:
             gate.leave()
 
         capture.add_done_callback(done)
-        stream = await self._keep_alive(request, capture) if call.stream else None
+        stream = await self._keep_alive(request, capture, renderer.keepalive) if call.stream else None
         try:
             answer, node_id = await capture
         except Exception as exc:
@@ -180,9 +236,11 @@ class AgentRoutes:
                 await stream.write(renderer.stream_error(error))
                 await stream.write_eof()
             return stream
-        return await self._reply(request, call, renderer, answer, node_id, stream, session)
+        return await self._reply(request, call, renderer, named(answer) if named else answer, node_id, stream,
+                                 session)
 
-    async def _keep_alive(self, request: web.Request, capture: asyncio.Future) -> web.StreamResponse | None:
+    async def _keep_alive(self, request: web.Request, capture: asyncio.Future,
+                          keepalive: bytes) -> web.StreamResponse | None:
         """While a slow engine call runs, open the agent's stream and send SSE comments so it does not time out."""
         done, _ = await asyncio.wait({capture}, timeout=self.config.keepalive_s)
         if done:
@@ -191,7 +249,7 @@ class AgentRoutes:
         try:
             await stream.prepare(request)
             while not capture.done():
-                await stream.write(b": keepalive\n\n")
+                await stream.write(keepalive)
                 await asyncio.wait({capture}, timeout=self.config.keepalive_s)
         except ConnectionResetError:
             pass  # the agent left; the turn is still recorded, then marked undelivered
@@ -205,7 +263,7 @@ class AgentRoutes:
             response = stream or web.StreamResponse(headers=SSE_HEADERS)
             payload = renderer.stream(answer, call)
         else:
-            response = web.Response(body=renderer.whole(answer), content_type="application/json")
+            response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
         try:
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the agent disconnected before its answer was ready")

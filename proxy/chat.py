@@ -2,7 +2,8 @@
 
 The neutral form is OpenAI Chat Completions, the language the engine speaks: messages, tools and the
 sampling knobs the agent asked for, decoded once into Structs at the edge. Each dialect module
-(`openai_chat`, `anthropic`) turns its own body into a `ChatCall` and renders the one `Answer` back.
+(`openai_chat`, `anthropic`, `openai_responses`, `gemini`) turns its own body into a `ChatCall` and renders
+the one `Answer` back.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Knobs(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: list[str] | None = None
 
 
-Dialect = Literal["openai_chat", "anthropic_messages"]
+Dialect = Literal["openai_chat", "anthropic_messages", "openai_responses", "google_gemini"]
 
 
 class ChatCall(msgspec.Struct, kw_only=True):
@@ -125,6 +126,14 @@ class Answer(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[SampledToken] | None = None  # only when the agent asked for them
+
+
+def assistant_message(reply: Reply) -> ChatMessage:
+    """A reply as the assistant message an agent sends back: no content beside tool calls when it was empty."""
+    calls = [MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in reply.tool_calls]
+    content = reply.content if reply.content or not calls else None
+    return ChatMessage(role="assistant", content=content, tool_calls=calls or None, reasoning=reply.reasoning or None)
 
 
 def text_of(content: str | list[ContentPart] | None) -> str:

@@ -20,6 +20,7 @@ class SessionInfo(msgspec.Struct, kw_only=True, frozen=True):
     key: str
     openai_base_url: str
     anthropic_base_url: str
+    gemini_base_url: str  # Google's SDKs append /v1beta/models/{model}:{method} to it
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):

@@ -94,7 +94,7 @@ class ControlRoutes:
             body.metadata, body.max_turns if body.max_turns is not None else self.config.default_max_turns, cap)
         base = f"{self.base_url(request)}/s/{session.id}"
         return json_response(SessionInfo(id=session.id, key=key, openai_base_url=base + "/v1",
-                                         anthropic_base_url=base), status=201)
+                                         anthropic_base_url=base, gemini_base_url=base), status=201)
 
     async def _check_cap(self, cap: int | None) -> None:
         """A max_tokens cap must leave room for a prompt in the engine's context (when the engine says its size)."""

@@ -97,7 +97,13 @@ class Proxy:
 
 
 def dialect_of(request: web.Request) -> Dialect:
-    return "anthropic" if "/v1/messages" in request.path else "openai"
+    """The error shape a caller of this path parses: Google's for `.../models/{model}:{method}`."""
+    path = request.path
+    if "/v1/messages" in path:
+        return "anthropic"
+    if "/models/" in path.lower() and ":" in path.rpartition("/")[2]:
+        return "google"
+    return "openai"
 
 
 def error_response(dialect: Dialect, exc: ProxyError) -> web.Response:

@@ -88,3 +88,15 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
     with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
                                  retries=2)) as running:
         yield running
+
+
+@pytest.fixture
+def keepalive_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
+    """A proxy that opens a slow call's stream with keep-alives after 0.1 s and never retries the engine."""
+    from harness_rl.background import serve_proxy
+    from proxy.config import ProxyConfig
+
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"), keepalive_s=0.1,
+                         retries=0, upstream_model="fake")
+    with serve_proxy(config) as running:
+        yield running

@@ -1,4 +1,5 @@
-"""Real agent CLIs end to end: opencode, Claude Code and mini-swe-agent each solve a shipped task.
+"""Real agent CLIs end to end: opencode, Claude Code, mini-swe-agent, codex (OpenAI Responses),
+gemini-cli (Google Gemini), qwen-coder, pi and aider each solve a shipped task.
 
 Each runs in the local sandbox (bubblewrap with `network="proxy-only"` when bubblewrap is
 installed: the agent can reach the proxy and nothing else) through the proxy and the embedded
@@ -89,6 +90,21 @@ async def run_once(proxy: RunningProxy, harness: str, task: Task) -> RolloutOutc
         return await RolloutScheduler([task], client, config, harness=create_harness(harness)).run_rollout(task, 0, 0)
 
 
+def assert_sampled_by_the_engine(engine_url: str, outcome: RolloutOutcome, forced: list[str]) -> None:
+    """Each agent turn's completion and logprobs are what the engine gives for the turn's prompt (rendered
+    for the first, spliced after) and its forced text."""
+    agents = [t for t in outcome.trace.turns if t.role == "agent"]
+    for turn, text in zip(agents, forced, strict=True):
+        has_tools = bool(turn.request.tools)
+        force(engine_url, tools=[text] if has_tools else [], no_tools=[] if has_tools else [text])
+        body = {"token_ids": turn.prompt_token_ids, "sampling_params": {
+            "temperature": turn.sampling.temperature, "max_tokens": turn.sampling.max_tokens, "logprobs": 0,
+            "skip_special_tokens": False}}
+        got = httpx.post(f"{engine_url}/inference/v1/generate", json=body, timeout=300).json()["choices"][0]
+        assert turn.completion_token_ids == got["token_ids"]
+        assert turn.per_token_logps == pytest.approx([e["logprob"] for e in got["logprobs"]["content"]], abs=1e-4)
+
+
 def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     """Reward 1, a valid trace with `agent_turns` linked agent turns, exact masks, and rows the learner takes."""
     assert outcome.error is None, outcome.error
@@ -146,3 +162,46 @@ async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: Run
     assert outcome.tool_calls_by_name == {"bash": 3} and outcome.tool_failure_count == 0
     assert outcome.completion == "Submitted"
     assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+
+
+@pytest.mark.parametrize(("harness", "tool", "argument", "counted", "dialect"), [
+    ("codex", "exec_command", "cmd", "command_execution", "openai_responses"),
+    ("gemini-cli", "run_shell_command", "command", "run_shell_command", "google_gemini")])
+async def test_responses_and_gemini_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str,
+                                                      harness: str, tool: str, argument: str, counted: str,
+                                                      dialect: str) -> None:
+    forced = [tool_call(tool, {argument: "cat mathlib.py"}), tool_call(tool, {argument: FIX}), "Finished the task."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, harness, load_task(TASKS / "fix-off-by-one"))
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {counted: 2} and outcome.tool_failure_count == 0
+    assert outcome.completion == "Finished the task."
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+    assert {t.metadata["dialect"] for t in outcome.trace.turns} == {dialect}
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+@pytest.mark.parametrize(("harness", "tool"), [("qwen-coder", "run_shell_command"), ("pi", "bash")])
+async def test_chat_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str, harness: str,
+                                      tool: str) -> None:
+    forced = [tool_call(tool, {"command": GREETING}), tool_call(tool, {"command": "cat greeting.txt"}), "Done."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, harness, load_task(TASKS / "write-greeting"))
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {tool: 2} and outcome.tool_failure_count == 0
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+async def test_aider_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
+    """aider has no tools: its edit is the reply's text, a file name then the whole content in a fence."""
+    forced = ["greeting.txt\n```\nhello harness-rl\n```\n"]
+    force(engine_url, tools=[], no_tools=forced)
+    outcome = await run_once(proxy, "aider", load_task(TASKS / "write-greeting"))
+    assert outcome.error is None and outcome.reward == 1.0 and outcome.exit_code == 0
+    trace = outcome.trace.validate()
+    assert [t.role for t in trace.turns] == ["agent"] and not trace.turns[0].request.tools
+    turn = trace.turns[0]
+    assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+    assert outcome.tool_calls_by_name == {"edit": 1}
+    assert_sampled_by_the_engine(engine_url, outcome, forced)

@@ -434,7 +434,7 @@ def test_models_route(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None
 
 
 def test_unknown_route_is_a_json_404(fake_proxy: RunningProxy) -> None:
-    got = httpx.post(f"{fake_proxy.url}/v1/responses", json={})
+    got = httpx.post(f"{fake_proxy.url}/v1/embeddings", json={})
     assert got.status_code == 404 and "Not Found" in got.json()["error"]["message"]
     assert httpx.get(f"{fake_proxy.url}/v1/messages").status_code == 405
 

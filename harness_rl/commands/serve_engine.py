@@ -25,8 +25,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="tiny model seed and sampling seed (default: %(default)s)")
     parser.add_argument("--enable-forced-completions", action="store_true",
                         help="TESTS ONLY: mount /forced_completions, which scripts the engine's answers (default: off)")
-    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
-                        help="logprob tokens as 'token_id:N' unless a request says otherwise (default: off)")
+    parser.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                        help="logprob tokens as 'token_id:N' unless a request says otherwise, as exact capture "
+                             "needs (default: on)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the tiny model is built (default: ~/.cache/harness-rl/tiny-SEED, or "
                              "$HARNESS_RL_CACHE)")

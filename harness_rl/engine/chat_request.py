@@ -37,6 +37,10 @@ class PreparedChat:
 async def prepare_chat(engine: Engine, body: ChatCompletionRequest) -> PreparedChat:
     """Validate `body` and render its messages with the engine's template (400/404 as vLLM)."""
     check_model(body.model, engine.served_model_name)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(
+            400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)", "top_logprobs"
+        )
     parse_tools = parses_tools(body)
     prompt_ids = await asyncio.to_thread(
         render_chat,

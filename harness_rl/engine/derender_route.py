@@ -18,12 +18,18 @@ from aiohttp import web
 
 from harness_rl.engine.chat_request import parses_tools
 from harness_rl.engine.chat_route import assistant_message
-from harness_rl.engine.errors import ApiError
+from harness_rl.engine.errors import ApiError, validation_error
 from harness_rl.engine.hermes import parse_tool_calls
 from harness_rl.engine.protocol import decode_body
 from harness_rl.engine.request_params import check_model
 from harness_rl.engine.server_context import CONTEXT, usage
-from harness_rl.engine.token_protocol import ChoiceLogprobs, DerenderBody, GeneratedChoice, short_id
+from harness_rl.engine.token_protocol import (
+    ChoiceLogprobs,
+    DerenderBody,
+    GeneratedChoice,
+    GeneratedReply,
+    short_id,
+)
 
 # vLLM corrects a piece that decodes to an incomplete character with up to this many tokens before it.
 PIECE_CONTEXT = 4
@@ -71,8 +77,8 @@ def _logprobs(tokenizer: Any, logprobs: ChoiceLogprobs) -> dict[str, Any]:
     return {"content": content}
 
 
-def _check_bounds(body: DerenderBody, max_model_len: int, vocab_size: int) -> None:
-    for choice in body.generate_response.choices:
+def _check_bounds(generated: GeneratedReply, prompt: list[int] | None, max_model_len: int, vocab_size: int) -> None:
+    for choice in generated.choices:
         ids = choice.token_ids or []
         if len(ids) > max_model_len:
             raise ApiError(
@@ -88,7 +94,6 @@ def _check_bounds(body: DerenderBody, max_model_len: int, vocab_size: int) -> No
         if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = min(ids) if min(ids) < 0 else max(ids)
             raise ApiError(400, f"Token id {bad} is out of vocabulary")
-    prompt = body.prompt_token_ids
     if prompt is not None and len(prompt) > max_model_len:
         raise ApiError(400, f"prompt_token_ids length ({len(prompt)}) exceeds max_model_len ({max_model_len}).")
 
@@ -103,8 +108,11 @@ async def derender_chat_completion(request: web.Request) -> web.Response:
             "(stream: false).",
             param="stream",
         )
+    generated = body.generate_response
+    if generated is None:
+        raise validation_error("body.generate_response", "missing", "Field required", "<the body>")
     check_model(body.model, engine.served_model_name)
-    _check_bounds(body, engine.max_model_len, engine.vocab_size)
+    _check_bounds(generated, body.prompt_token_ids, engine.max_model_len, engine.vocab_size)
     chat = body.chat_request
     if chat is None:
         raise ApiError(
@@ -114,10 +122,7 @@ async def derender_chat_completion(request: web.Request) -> web.Response:
         )
     parse_tools = parses_tools(chat)
     tokenizer = engine.tokenizer
-    choices = []
-    for choice in body.generate_response.choices:
-        choices.append(_choice(tokenizer, choice, parse_tools, bool(chat.return_token_ids)))
-    generated = body.generate_response
+    choices = [_choice(tokenizer, choice, parse_tools, bool(chat.return_token_ids)) for choice in generated.choices]
     completion_tokens = sum(len(c.token_ids or []) for c in generated.choices)
     return web.json_response(
         {

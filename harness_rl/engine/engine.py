@@ -345,13 +345,14 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One token for every running request; finished ones leave their KV in the prefix cache
-        before their last update is sent, so an agent's next turn always finds it."""
+        before their last update is sent, so an agent's next turn always finds it. A request kept
+        across a weight load holds keys and values of the old weights: those are never cached."""
         running = list(self._batch.generations)
         out = self.model(**self._batch.step_inputs())
         self._batch.advance()
         updates = [self._next_token(gen, out.logits[row, -1]) for row, gen in enumerate(running)]
         for row, gen in enumerate(running):
-            if gen.finished and not gen.cancelled:
+            if gen.finished and not gen.cancelled and gen.policy_version == self._policy_version:
                 self.prefix_cache.store(gen.prompt_ids + gen.token_ids[:-1], self._batch.row_kv(row))
         self._batch.keep([not gen.finished for gen in running])
         for gen, update in zip(running, updates, strict=True):

@@ -5,7 +5,8 @@ The answer carries the sampled ids, their logprobs when `sampling_params.logprob
 sampled token only), and `weight_versions`: contiguous `[start, end)` spans over completion token
 indexes naming the weight version that sampled each token. A generation kept across a weight load
 (`/pause?mode=keep`) gets one span per version; the tokens after the boundary were chosen from the
-new weights' forward pass over the cache the old weights had computed, as in vLLM.
+new weights' forward pass over the cache the old weights had computed, as in vLLM (this engine
+never lends that mixed cache to a later request through its prefix cache).
 """
 
 import time
@@ -13,9 +14,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from harness_rl.engine.errors import ApiError
+from harness_rl.engine.errors import ApiError, validation_error
 from harness_rl.engine.forced import forced_token_ids, prompt_has_tools
 from harness_rl.engine.generation import GenerationUpdate, SampledToken
 from harness_rl.engine.protocol import decode_body
@@ -35,31 +37,22 @@ from harness_rl.engine.token_protocol import AbortBody, GenerateBody
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
-def _validation_error(kind: str, message: str, count: int, context: str) -> ApiError:
-    """A body vLLM's pydantic layer refuses, worded as it words it."""
-    return ApiError(
-        400,
-        f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.token_ids', 'msg': '{message}', "
-        f"'input': '<list of {count} items>', 'ctx': {context}}}",
-        param="body.token_ids",
-        kind="Bad Request",
-    )
-
-
 def check_token_ids(ids: list[int]) -> None:
     """The checks vLLM's request schema makes of `token_ids`, in its words."""
     if not ids:
-        raise _validation_error(
+        raise validation_error(
+            "body.token_ids",
             "too_short",
             "List should have at least 1 item after validation, not 0",
-            0,
+            "<list of 0 items>",
             "{'field_type': 'List', 'min_length': 1, 'actual_length': 0}",
         )
     if min(ids) < 0:
-        raise _validation_error(
+        raise validation_error(
+            "body.token_ids",
             "value_error",
             "Value error, token_ids must not contain negative values",
-            len(ids),
+            f"<list of {len(ids)} items>",
             "{'error': ValueError('token_ids must not contain negative values')}",
         )
 
@@ -98,9 +91,12 @@ def weight_spans(tokens: list[SampledToken]) -> list[dict[str, Any]]:
 class _Reply:
     """The pieces of one generate answer, shared by the whole and the streamed forms."""
 
-    def __init__(self, ctx: ServerContext, body: GenerateBody, request_id: str, logprobs: int | None) -> None:
+    def __init__(
+        self, ctx: ServerContext, body: GenerateBody, prompt_ids: list[int], request_id: str, logprobs: int | None
+    ) -> None:
         self.ctx = ctx
         self.body = body
+        self.prompt_ids = prompt_ids
         self.request_id = request_id
         self.logprobs = logprobs
         self.text_mode = body.output_mode == "text"
@@ -124,8 +120,7 @@ class _Reply:
             top += [
                 self._entry(i, lp, rank) for rank, (i, lp) in enumerate(token.top_logprobs, 1) if i != token.token_id
             ]
-            entry = self._entry(token.token_id, token.logprob, token.rank)
-            content.append({**entry, "top_logprobs": top[: max(self.logprobs, 1)]})
+            content.append({**top[0], "top_logprobs": top[: max(self.logprobs, 1)]})
         return {"content": content}
 
     def choice(
@@ -154,7 +149,13 @@ class _Reply:
 async def generate(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     engine = ctx.engine
-    body = decode_body(await request.read(), GenerateBody)
+    raw = await request.read()
+    body = decode_body(raw, GenerateBody)
+    for name, value in (("token_ids", body.token_ids), ("sampling_params", body.sampling_params)):
+        if value is None:
+            given = f"<dict of {len(msgspec.json.decode(raw))} items>"
+            raise validation_error(f"body.{name}", "missing", "Field required", given)
+    assert body.token_ids is not None and body.sampling_params is not None
     check_token_ids(body.token_ids)
     check_model(body.model, engine.served_model_name)
     if body.features is not None or body.content_parts:
@@ -168,7 +169,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         stream=bool(body.stream),
         prompt_len=len(body.token_ids),
         max_model_len=engine.max_model_len,
-        max_tokens=sampling.max_tokens,
+        # vLLM's generate caps any max_tokens at the room left (the chat route refuses one above the context)
+        max_tokens=None if sampling.max_tokens is None else min(sampling.max_tokens, engine.max_model_len),
         default_max_tokens=None,
         logprobs=sampling.logprobs,
     )
@@ -177,7 +179,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         text = ctx.forced.pop(has_tools=prompt_has_tools(engine.tokenizer, body.token_ids))
         forced = forced_token_ids(engine.tokenizer, text) if text is not None else None
     request_id = f"generate-tokens-{request.headers.get(REQUEST_ID_HEADER) or body.request_id}"
-    reply = _Reply(ctx, body, request_id, params.logprobs)
+    reply = _Reply(ctx, body, body.token_ids, request_id, params.logprobs)
     async with aclosing(engine.generate(body.token_ids, params, forced, request_id=request_id)) as updates:
         if body.stream:
             return await _stream(request, reply, updates)
@@ -209,7 +211,7 @@ async def _stream(request: web.Request, reply: _Reply, updates: AsyncIterator[Ge
     options = body.stream_options
     with_usage = options is not None and bool(options.include_usage)
     continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
-    prompt_len = len(body.token_ids)
+    prompt_len = len(reply.prompt_ids)
     first = await anext(updates)
     response = await open_sse(request, first.policy_version)
     produced: list[SampledToken] = []
@@ -222,7 +224,7 @@ async def _stream(request: web.Request, reply: _Reply, updates: AsyncIterator[Ge
             "usage": usage(prompt_len, len(produced), details=True) if continuous else None,
         }
         if body.return_token_ids and update is first:
-            chunk["prompt_token_ids"] = body.token_ids
+            chunk["prompt_token_ids"] = reply.prompt_ids
         chunk["output_mode"] = body.output_mode
         spans = weight_spans(produced) if final else None
         chunk["choices"] = [reply.choice(update.tokens, update.finish_reason, update.stop_reason, spans, update.text)]

@@ -3,7 +3,9 @@
 Shaped as vLLM 0.32 answers it (`GenerateRequest`): the prompt ids the chat route would sample from
 and the chat body's sampling as vLLM `SamplingParams` (`max_tokens` = the room left when the body
 sets none; `logprobs` = `top_logprobs` when the body asks for logprobs; `skip_special_tokens: false`
-when tools are parsed, as vLLM's hermes parser adjusts it). The answer can be posted to generate as is.
+when tools are parsed, as vLLM's hermes parser adjusts it). The answer can be posted to generate as
+is, with vLLM's own pitfall: `max_tokens: 16` is its default, so it is left out, and generate then
+runs to the end of the context: a caller should always set `max_tokens` itself.
 """
 
 from typing import Any
@@ -15,6 +17,9 @@ from harness_rl.engine.protocol import ChatCompletionRequest, decode_body
 from harness_rl.engine.server_context import CONTEXT
 from harness_rl.engine.token_protocol import short_id
 
+# vLLM writes `SamplingParams` leaving out fields at their default; its `max_tokens` default is 16, so a
+# body asking for exactly 16 renders without `max_tokens`, and generate then fills the room left.
+VLLM_DEFAULT_MAX_TOKENS = 16
 # vLLM's RequestOutputKind: what generate streams (DELTA) or answers once (FINAL_ONLY).
 OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
@@ -28,18 +33,20 @@ def vllm_sampling(body: ChatCompletionRequest, chat: PreparedChat) -> dict[str, 
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
         "temperature": params.temperature,
-        "top_p": params.top_p,
     }
-    if params.top_k > 0:
-        fields["top_k"] = params.top_k
-    fields["min_p"] = 0.0
+    if not params.greedy:  # vLLM resets (and then omits) the filters of a greedy request
+        fields["top_p"] = params.top_p
+        if body.top_k:  # as given: -1 stays -1
+            fields["top_k"] = body.top_k
+        fields["min_p"] = 0.0
     if params.seed is not None:
         fields["seed"] = params.seed
     fields["stop"] = list(params.stop)
     fields["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         fields["ignore_eos"] = True
-    fields["max_tokens"] = params.max_tokens
+    if params.max_tokens != VLLM_DEFAULT_MAX_TOKENS:
+        fields["max_tokens"] = params.max_tokens
     if params.logprobs is not None:
         fields["logprobs"] = params.logprobs
     if params.prompt_logprobs is not None:
@@ -47,7 +54,7 @@ def vllm_sampling(body: ChatCompletionRequest, chat: PreparedChat) -> dict[str, 
     if chat.parse_tools:
         fields["skip_special_tokens"] = False
     fields["output_kind"] = OUTPUT_KIND_DELTA if body.stream else OUTPUT_KIND_FINAL_ONLY
-    fields.update(skip_clone=True, bad_words=[], skip_reading_prefix_cache=False)
+    fields.update(skip_clone=True, bad_words=[], skip_reading_prefix_cache=params.prompt_logprobs is not None)
     return fields
 
 

@@ -79,7 +79,11 @@ def sampling_params(
             param="input_tokens",
         )
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(
             400,

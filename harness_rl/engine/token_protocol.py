@@ -45,8 +45,8 @@ class GenerateSampling(msgspec.Struct, kw_only=True):
 class GenerateBody(msgspec.Struct, kw_only=True):
     """`POST /inference/v1/generate` (vLLM's `GenerateRequest`; `render` answers exactly this)."""
 
-    token_ids: list[int]
-    sampling_params: GenerateSampling
+    token_ids: list[int] | None = None  # required: checked with vLLM's wording
+    sampling_params: GenerateSampling | None = None  # required: checked with vLLM's wording
     model: str | None = None
     request_id: str = msgspec.field(default_factory=short_id)
     stream: bool | None = False
@@ -100,7 +100,7 @@ class GeneratedReply(msgspec.Struct, kw_only=True):
 class DerenderBody(msgspec.Struct, kw_only=True):
     """`POST /v1/chat/completions/derender` (non-streaming): sampled ids → a chat completion."""
 
-    generate_response: GeneratedReply
+    generate_response: GeneratedReply | None = None  # required unless streaming (which is refused)
     chat_request: ChatCompletionRequest | None = None
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None
