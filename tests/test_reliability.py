@@ -492,13 +492,19 @@ def test_8_every_agent_route_needs_the_session_key(start: Callable[..., RunningP
     proxy = start()
     a, b = Agent(proxy), Agent(proxy)
     base = f"{proxy.url}/s/{a.session['id']}"
-    for headers in ({}, {"Authorization": "Bearer junk"}, {"x-api-key": "junk"},
+    gemini = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+    calls = [("/v1/chat/completions", CHAT), ("/v1/messages", {**CHAT, "max_tokens": 5}),
+             ("/v1/messages/count_tokens", CHAT), ("/v1/responses", {"model": "m", "input": "hi"}),
+             ("/v1/responses/input_tokens", {"model": "m", "input": "hi"}),
+             ("/v1beta/models/m:generateContent", gemini), ("/v1beta/models/m:countTokens", gemini)]
+    for headers in ({}, {"Authorization": "Bearer junk"}, {"x-api-key": "junk"}, {"x-goog-api-key": "junk"},
                     {"Authorization": f"Bearer {b.session['key']}"}):
-        assert httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=headers).status_code == 401
-        assert httpx.post(f"{base}/v1/messages", json={**CHAT, "max_tokens": 5}, headers=headers).status_code == 401
-        assert httpx.post(f"{base}/v1/messages/count_tokens", json=CHAT, headers=headers).status_code == 401
+        for path, body in calls:
+            assert httpx.post(f"{base}{path}", json=body, headers=headers).status_code == 401, (path, headers)
         assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
-    assert turns_of(proxy, a.session["id"]) == []
+    for path, body in calls[:1] + calls[3:4] + calls[5:6]:  # the right key is enough
+        assert httpx.post(f"{base}{path}", json=body, headers={"x-goog-api-key": a.session["key"]}).status_code == 200
+    assert len(turns_of(proxy, a.session["id"])) == 3
 
 
 def test_8_keys_and_tokens_are_compared_in_constant_time(start: Callable[..., RunningProxy],
@@ -626,6 +632,9 @@ def test_deeply_nested_json_is_400_everywhere(start: Callable[..., RunningProxy]
             (f"{agent.base}/chat/completions", f'{{"model":"m",{messages},"metadata":{deep}}}', agent.auth),
             (f"{proxy.url}/s/{agent.session['id']}/v1/messages",
              f'{{"model":"m","max_tokens":5,{messages},"metadata":{deep}}}', agent.auth),
+            (f"{agent.base}/responses", f'{{"model":"m","input":"hi","metadata":{deep}}}', agent.auth),
+            (f"{proxy.url}/s/{agent.session['id']}/v1beta/models/m:generateContent",
+             f'{{"contents":[{{"role":"user","parts":[{{"text":"hi"}}]}}],"x":{deep}}}', agent.auth),
             (f"{proxy.url}/sessions", f'{{"metadata":{{"a":{deep}}}}}', ADMIN)):
         got = httpx.post(url, content=body, headers={**headers, "Content-Type": "application/json"})
         assert got.status_code == 400, got.text
