@@ -20,5 +20,7 @@ Modules, one job each:
   session         capture sessions, their registry and trace building
   capture         the capture graph: parents by longest exact token prefix, roles
   store           the durable append-only session logs (turn lines are harness_rl.trace.StoredTurn)
+  recovery        reading a store back: damaged lines quarantined, lost turns counted, nothing truncated
+  limits          connection limits per client and in all, header and body read timeouts
   errors          ProxyError and each dialect's error shape
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from proxy import anthropic, gemini, openai_chat, openai_responses
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
+from proxy.limits import read_body
 from proxy.pipeline import CapturePipeline, budget_answer
 from proxy.session import Session, SessionRegistry
 from proxy.upstream import EngineClient
@@ -115,10 +115,10 @@ class AgentRoutes:
             session = self.registry.by_id.get(sid)
             if session is None:
                 raise ProxyError(404, f"no session {sid!r}")
-            if not hmac.compare_digest(presented.encode(), session.key.encode()):
+            if not session.accepts(presented):
                 raise ProxyError(401, "this key does not belong to this session")
         else:
-            found = self.registry.by_key.get(presented)
+            found = self.registry.by_presented_key(presented)
             if found is None:
                 raise ProxyError(401, "unknown API key: not a session key of this proxy")
             session = found
@@ -145,7 +145,7 @@ class AgentRoutes:
         limit = self.config.max_body_mb * 2**20
         if request.content_length is not None and request.content_length > limit:
             raise ProxyError(413, f"request body exceeds {self.config.max_body_mb:g} MB")
-        return await request.read()
+        return await read_body(request, self.config.body_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self.session_of(request)

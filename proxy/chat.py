@@ -8,7 +8,7 @@ the one `Answer` back.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -87,7 +87,7 @@ class Knobs(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     max_tokens: int | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # a 64-bit signed int, as OpenAI's
     stop: list[str] | None = None
 
 
@@ -153,6 +153,8 @@ def decode_typed(decoder: msgspec.json.Decoder, data: bytes) -> Any:
         raise ProxyError(400, f"invalid request: {_readable(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise ProxyError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProxyError(400, "the request's JSON is nested too deeply") from None
 
 
 def _readable(message: str) -> str:

@@ -129,8 +129,16 @@ class TokenizeReply(msgspec.Struct):
     tokens: list[int] = []
 
 
+class ModelCard(msgspec.Struct):
+    """One served model; vLLM says its context size, the embedded engine also its vocabulary size."""
+
+    id: str = ""
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+
+
 class ModelList(msgspec.Struct):
-    data: list[dict[str, Any]] = []
+    data: list[ModelCard] = []
 
 
 RENDER_DECODER = msgspec.json.Decoder(RenderReply)

@@ -45,11 +45,13 @@ _GOOGLE_STATUSES = {
 class ProxyError(Exception):
     """A request the proxy answers with an error instead of a completion."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
+                 close_connection: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.close_connection = close_connection  # the connection is closed once the error is sent
 
 
 def error_body(dialect: Dialect, status: int, message: str) -> dict[str, Any]:

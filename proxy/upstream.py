@@ -10,10 +10,11 @@ parsers). A sample is refused unless its ids, logprobs and usage describe one an
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
@@ -90,14 +91,28 @@ class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str | None = None
 
 
-class EngineClient:
-    """One keep-alive connection pool to one engine URL."""
+class EngineUnreachable(ProxyError):
+    """No answer came back (refused, reset, closed mid-reply): worth another attempt."""
 
-    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None) -> None:
+
+class EngineClient:
+    """One keep-alive connection pool to one engine URL.
+
+    `timeout_s` is the deadline of one call, retries and their waits included; replies larger than
+    `max_reply_bytes` are refused unread. The model name, context size and vocabulary size come
+    from the engine's `/v1/models`, asked until it answers.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None,
+                 max_reply_bytes: int = 64 * 2**20, vocab_size: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.model = model
+        self.max_reply_bytes = max_reply_bytes
+        self.vocab_size = vocab_size
+        self.max_model_len: int | None = None
+        self._described = False
         self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -114,15 +129,20 @@ class EngineClient:
         """The engine's model name, asked until the engine answers (agents may call the policy anything).
 
         Never cached while unknown: a proxy started beside an engine that is still loading heals as
-        soon as the engine serves.
+        soon as the engine serves. The same answer says the context and vocabulary sizes, if it does.
         """
-        if not self.model:
+        if not self._described:
             try:
                 status, body, _ = await self._send("GET", "/v1/models", None)
-                models = MODELS_DECODER.decode(body).data if status == 200 else []
+                cards = MODELS_DECODER.decode(body).data if status == 200 else []
             except (ProxyError, msgspec.DecodeError):
-                return None
-            self.model = str(models[0].get("id") or "") if models and isinstance(models[0], dict) else ""
+                return self.model or None
+            card = next((c for c in cards if c.id == self.model), cards[0] if cards else None)
+            if card is not None and card.id:
+                self._described = True
+                self.model = self.model or card.id
+                self.max_model_len = card.max_model_len
+                self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 
     async def render(self, request: ChatRender) -> Rendered:
@@ -130,10 +150,16 @@ class EngineClient:
         request = msgspec.structs.replace(request, model=await self.served_model())
         data, _, _ = await self._post("/v1/chat/completions/render", _ENCODER.encode(request))
         try:
-            rendered = ids_text(bytes(RENDER_DECODER.decode(data).token_ids))
+            ids = bytes(RENDER_DECODER.decode(data).token_ids)
+            if self.vocab_size is not None:
+                _ids_below(self.vocab_size).decode(ids)
+        except msgspec.ValidationError:
+            raise ProxyError(502, f"the engine at {self.url} rendered a prompt id outside its {self.vocab_size}-token "
+                                  "vocabulary") from None
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.url} sent a render reply this proxy cannot read: {exc}") \
                 from None
+        rendered = ids_text(ids)
         if not rendered or not rendered[1]:
             raise ProxyError(502, f"the engine at {self.url} rendered no prompt ids")
         return Rendered(*rendered)
@@ -155,7 +181,7 @@ class EngineClient:
         if choice.token_ids is None or entries is None:
             raise ProxyError(502, f"the engine at {self.url} returned no sampled token ids or logprobs; {VLLM_HINT}")
         ids, logps = choice.token_ids, [e.logprob for e in entries]
-        check_sample(self.url, ids, [e.token_id for e in entries], logps)
+        check_sample(self.url, ids, [e.token_id for e in entries], logps, self.vocab_size)
         if reply.usage is not None and (reply.usage.completion_tokens != len(ids)
                                         or reply.usage.prompt_tokens != prompt.count):
             raise ProxyError(502, f"the engine at {self.url} reported usage {reply.usage.prompt_tokens}+"
@@ -222,35 +248,68 @@ class EngineClient:
             raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
                                   f"{_error_message(data)}); {VLLM_HINT}")
         if status != 200:
-            raise _engine_error(self.url, status, data)
+            raise _engine_error(self.url, status, data, headers)
         return data, headers, attempts
 
     async def _send_with_retries(self, path: str, payload: bytes) -> tuple[int, bytes, Any, int]:
+        """POST, retrying 408/429/5xx answers and lost connections; every attempt and wait ends by one deadline.
+
+        A wait that would end past the deadline (a long Retry-After) is not waited: the last answer
+        (or error) is returned at once.
+        """
+        deadline = time.monotonic() + self.timeout_s
         delay = 0.2
-        for attempt in range(1, self.retries + 2):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                status, data, headers = await self._send("POST", path, payload)
-            except ProxyError as exc:
-                if exc.status != 502 or attempt > self.retries:
+                status, data, headers = await self._send("POST", path, payload, deadline)
+            except EngineUnreachable:
+                if attempt > self.retries or time.monotonic() + delay >= deadline:
                     raise
+                wait = delay
             else:
                 if status not in RETRY_STATUSES or attempt > self.retries:
                     return status, data, headers, attempt
-                delay = _retry_after(headers.get("Retry-After"), delay)
-            await asyncio.sleep(delay)
+                wait = _retry_after(headers.get("Retry-After"), delay)
+                if time.monotonic() + wait >= deadline:
+                    return status, data, headers, attempt
+            await asyncio.sleep(wait)
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
-        raise AssertionError("unreachable")
 
-    async def _send(self, method: str, path: str, payload: bytes | None) -> tuple[int, bytes, Any]:
+    async def _send(self, method: str, path: str, payload: bytes | None,
+                    deadline: float | None = None) -> tuple[int, bytes, Any]:
+        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now)."""
         assert self._http is not None, "EngineClient.start() was not awaited"
+        remaining = (deadline - time.monotonic()) if deadline is not None else self.timeout_s
         try:
+            if remaining <= 0:
+                raise TimeoutError
             async with self._http.request(method, self.url + path, data=payload,
-                                          headers={"Content-Type": "application/json"}) as resp:
-                return resp.status, await resp.read(), resp.headers
+                                          headers={"Content-Type": "application/json"},
+                                          timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
+                return resp.status, await self._read(resp), resp.headers
         except TimeoutError:
             raise ProxyError(504, f"the engine at {self.url} did not answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
-            raise ProxyError(502, f"cannot reach the engine at {self.url}: {exc}") from None
+            raise EngineUnreachable(502, f"cannot reach the engine at {self.url}: {exc}") from None
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The reply's body, refused (502, not retried) past `max_reply_bytes`, before it is all read if possible."""
+        limit = self.max_reply_bytes
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        if resp.content_length is None:
+            chunks, size = [], 0
+            async for chunk in resp.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+            else:
+                return b"".join(chunks)
+        raise ProxyError(502, f"the engine at {self.url} sent a reply larger than {limit / 2**20:g} MB "
+                              "(--max-reply-mb)")
 
 
 def _retry_after(value: str | None, fallback: float) -> float:
@@ -267,8 +326,12 @@ def _retry_after(value: str | None, fallback: float) -> float:
         return fallback
 
 
-def _engine_error(url: str, status: int, data: bytes) -> ProxyError:
+def _engine_error(url: str, status: int, data: bytes, headers: Any = None) -> ProxyError:
+    """The agent's error for an engine's error: its 4xx as is, 429 with its Retry-After, anything else 502."""
     message = _error_message(data)
+    if status == 429:
+        retry_after = (headers or {}).get("Retry-After") or "1"
+        return ProxyError(429, f"the engine is rate limiting: {message}", headers={"Retry-After": retry_after})
     if 400 <= status < 500 and status not in RETRY_STATUSES:
         return ProxyError(status, f"the engine rejected the request: {message}")
     return ProxyError(502, f"the engine at {url} failed with HTTP {status}: {message}")
@@ -290,8 +353,10 @@ def _error_message(data: bytes) -> str:
     return str(decoded)[:500]
 
 
-def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float]) -> None:
-    """Refuse a sample whose ids and logprobs do not describe one and the same sample of a distribution."""
+def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float],
+                 vocab_size: int | None = None) -> None:
+    """Refuse a sample whose ids and logprobs do not describe one and the same sample of a distribution
+    (C-speed scans: ids inside the vocabulary when its size is known, logprobs finite and at most 0)."""
     if len(logps) != len(ids):
         raise ProxyError(502, f"the engine at {url} returned {len(logps)} logprobs for {len(ids)} sampled tokens")
     if logprob_ids != ids:
@@ -300,6 +365,14 @@ def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[f
                               f"of sampled id {ids[k]}; {VLLM_HINT}")
     if ids and min(ids) < 0:
         raise ProxyError(502, f"the engine at {url} returned a negative token id {min(ids)}")
+    if ids and vocab_size is not None and max(ids) >= vocab_size:
+        raise ProxyError(502, f"the engine at {url} returned token id {max(ids)}, outside its {vocab_size}-token "
+                              "vocabulary")
     bad = next((lp for lp in logps if not math.isfinite(lp) or lp > 0), None)
     if bad is not None:
         raise ProxyError(502, f"the engine at {url} returned a logprob {bad!r} that is not finite and <= 0")
+
+
+@functools.cache
+def _ids_below(vocab_size: int) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])

@@ -96,6 +96,7 @@ async def models(request: web.Request) -> web.Response:
         "root": name,
         "parent": None,
         "max_model_len": ctx.engine.max_model_len,
+        "vocab_size": ctx.engine.vocab_size,
         "permission": [
             {
                 "id": f"modelperm-{name}",
@@ -114,6 +115,11 @@ async def models(request: web.Request) -> web.Response:
         ],
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def _abort_generations(app: web.Application) -> None:
+    """A stopping server ends its generations at once, so handlers answer instead of holding the shutdown."""
+    app[CONTEXT].engine.abort_all()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -158,6 +164,7 @@ def create_app(
         tokens_as_ids=return_tokens_as_token_ids,
     )
     app.on_response_prepare.append(_stamp_version)
+    app.on_shutdown.append(_abort_generations)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions/render", render_chat_completion)

@@ -146,6 +146,12 @@ class Engine:
     def is_paused(self) -> bool:
         return self._paused
 
+    @property
+    def num_requests(self) -> int:
+        """Requests waiting or running now (abandoned ones leave within one step)."""
+        with self._cond:
+            return sum(not g.finished for g in (*self._waiting, *self._active))
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -246,12 +252,26 @@ class Engine:
         self._clear_prefix_cache = True
         return True
 
-    def close(self) -> None:
-        """Stop the worker; waiting and running requests fail with `EngineClosed`."""
+    def abort_all(self) -> None:
+        """End every waiting and running request now, with finish_reason "abort" (a server shutting down)."""
+        with self._cond:
+            for gen in self._waiting:
+                gen.cancelled = gen.finished = True
+                gen.send(GenerationUpdate((), "", "abort", None, self._policy_version))
+            self._waiting.clear()
+            for gen in self._active:
+                gen.cancelled = True
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker; waiting and running requests fail with `EngineClosed`.
+
+        Waits up to `timeout` for the worker's current step (the worker is a daemon thread, so a
+        process may exit while a long prefill still runs)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._worker.join(timeout=30)
+        self._worker.join(timeout=timeout)
 
     def _work(self) -> None:
         while True:
