@@ -141,6 +141,19 @@ def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engin
     return Engine(server.url, model_dir, sync, server.stop)
 
 
+def _vocab_size(model_dir: Path) -> int | None:
+    """The model's vocabulary (its embedding rows), so the proxy refuses ids no engine serving it can sample;
+    vLLM's `/v1/models` does not say it."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _is_embedded_engine(url: str) -> bool:
     """Our engine stamps every reply with its policy version; vLLM does not."""
     import urllib.error
@@ -266,7 +279,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         output_dir.mkdir(parents=True, exist_ok=True)
         engine = start_engine(config, loop, output_dir)
         (output_dir / "config.toml").write_text(to_toml(config))
-        proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"))
+        proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
+                                               vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))
         proxy = loop.run(start_proxy(proxy_config), timeout=120)
         client = ProxyClient(proxy.url, proxy.admin_token)
         learner = Learner(engine.model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
