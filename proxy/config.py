@@ -72,6 +72,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                   "none: no bound")] = 32
     keepalive_s: Annotated[Positive, _meta("a streaming agent waiting this long gets SSE keep-alive comments",
                                            flag=None)] = 10.0
+    stream_read_s: Annotated[Positive, _meta("a streaming agent's text is read from the engine's parsers at most "
+                                             "this often (each read replays the answer so far), seconds")] = 0.05
     collect_on_pause: Annotated[bool, _meta("run the full garbage collection while agents are held for a weight "
                                             "sync", flag=None)] = True
     fsync: Annotated[bool, _meta("fsync every captured turn (survives power loss, slower)")] = False

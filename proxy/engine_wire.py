@@ -1,8 +1,9 @@
 """The engine's token-in routes as typed Structs, decoded once at the edge (vLLM 0.32's shapes).
 
 `/v1/chat/completions/render` turns messages into prompt ids, `/inference/v1/generate` samples from
-ids, `/v1/chat/completions/derender` turns sampled ids into a chat message with the server's own
-tool and reasoning parsers. The embedded engine answers the same shapes.
+ids (whole, or streamed step by step), `/v1/chat/completions/derender` turns sampled ids into a chat
+message with the server's own tool and reasoning parsers (whole, or step by step with a carried state).
+The embedded engine answers the same shapes.
 """
 
 from __future__ import annotations
@@ -35,10 +36,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return cls(logprobs=0, skip_special_tokens=False, **knobs)
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: msgspec.Raw  # the prompt's ids as a JSON array, spliced as bytes
     sampling_params: SamplingParams
     model: str | None = None
+    stream: bool = False  # True: SSE, one `GenerateChunk` per engine step
+    stream_options: StreamOptions | None = None
 
 
 class SampledLogprob(msgspec.Struct):
@@ -75,6 +82,20 @@ class GenerateReply(msgspec.Struct):
     usage: Usage | None = None
 
 
+class GenerateChunk(msgspec.Struct):
+    """One SSE event of a streamed generate: a step's new ids and their logprobs (the last choice chunk says why
+    it ended and carries the weight versions of the whole output), or the closing usage (`choices` empty)."""
+
+    choices: list[GeneratedChoice] = []
+    usage: Usage | None = None
+    request_id: str = ""
+    error: StreamError | None = None  # the engine failed mid-stream
+
+
+class StreamError(msgspec.Struct):
+    message: str = ""
+
+
 class DerenderChoice(msgspec.Struct):
     token_ids: list[int]
     finish_reason: str | None = None
@@ -90,6 +111,37 @@ class DerenderRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     chat_request: msgspec.Raw  # the chat body the parsers need (its messages and tools, already encoded)
     prompt_tokens: int = 0
     model: str | None = None
+
+
+class DerenderStreamRequest(msgspec.Struct, kw_only=True):
+    """One step of vLLM's streaming derender: new ids (as one generate chunk) and the state the last step returned."""
+
+    stream: bool = True
+    generate_chunk: GenerateResponse
+    stream_state: msgspec.Raw  # opaque: what the engine answered last time (null at first)
+    chat_request: msgspec.Raw
+    prompt_token_ids: msgspec.Raw  # the whole prompt (the parsers read it to know whether reasoning is open)
+    prompt_tokens: int
+    model: str | None = None
+
+
+class TextDelta(msgspec.Struct):
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class DeltaChoice(msgspec.Struct):
+    delta: TextDelta = msgspec.field(default_factory=TextDelta)
+
+
+class DerenderedChunk(msgspec.Struct):
+    choices: list[DeltaChoice] = []
+
+
+class DerenderStreamReply(msgspec.Struct):
+    chunk: DerenderedChunk
+    stream_state: msgspec.Raw
 
 
 class FunctionCall(msgspec.Struct):
@@ -144,5 +196,7 @@ class ModelList(msgspec.Struct):
 RENDER_DECODER = msgspec.json.Decoder(RenderReply)
 GENERATE_DECODER = msgspec.json.Decoder(GenerateReply)
 DERENDER_DECODER = msgspec.json.Decoder(DerenderReply)
+CHUNK_DECODER = msgspec.json.Decoder(GenerateChunk)
+DERENDER_STREAM_DECODER = msgspec.json.Decoder(DerenderStreamReply)
 TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeReply)
 MODELS_DECODER = msgspec.json.Decoder(ModelList)

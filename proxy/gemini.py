@@ -1,5 +1,5 @@
 """Google Gemini generateContent: the body decoded into a `ChatCall`, the `Answer` rendered as a
-GenerateContentResponse or its SSE chunks.
+GenerateContentResponse (its SSE chunks: `proxy.gemini_stream`).
 
 `systemInstruction` becomes the system message, each `user` content its tool results (one tool
 message per `functionResponse`, right after the model turn that called) and then its text, each
@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from harness_rl.trace import ToolCall
 from proxy import opaque_reasoning
 from proxy.chat import (
     Answer,
@@ -346,47 +347,38 @@ def _arguments(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
+def call_part(call: ToolCall) -> dict[str, Any]:
+    return {"functionCall": {"id": call.id, "name": call.name, "args": _arguments(call.arguments)}}
+
+
 def answer_parts(answer: Answer) -> list[dict[str, Any]]:
     """The reply as parts: a thought, the text, each function call. The reasoning is also the signature of
     the first call (where Gemini puts one, and gemini-cli keeps it), else of the text, else of the thought."""
     reply = answer.reply
     thought: list[dict[str, Any]] = [{"text": reply.reasoning, "thought": True}] if reply.reasoning else []
     text: list[dict[str, Any]] = [{"text": reply.content}] if reply.content else []
-    calls: list[dict[str, Any]] = [{"functionCall": {"id": c.id, "name": c.name, "args": _arguments(c.arguments)}}
-                                   for c in reply.tool_calls]
+    calls = [call_part(c) for c in reply.tool_calls]
     if reply.reasoning:
         (calls or text or thought)[0]["thoughtSignature"] = opaque_reasoning.wrap(reply.reasoning)
     return thought + text + calls
 
 
-def _usage(answer: Answer) -> dict[str, int]:
-    return {"promptTokenCount": answer.prompt_tokens, "candidatesTokenCount": answer.completion_tokens,
-            "totalTokenCount": answer.prompt_tokens + answer.completion_tokens}
-
-
-def _chunk(answer: Answer, parts: list[dict[str, Any]], last: bool) -> dict[str, Any]:
+def chunk(response_id: str, model: str, parts: list[dict[str, Any]], last: Answer | None = None) -> dict[str, Any]:
+    """One GenerateContentResponse; the last of a stream (or the whole answer) says why it ended and its usage."""
     candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
     out: dict[str, Any] = {"candidates": [candidate]}
-    if last:
-        candidate["finishReason"] = FINISH_REASONS.get(answer.finish_reason, "STOP")
-        out["usageMetadata"] = _usage(answer)
-    out["modelVersion"] = answer.model
-    out["responseId"] = answer.id
+    if last is not None:
+        candidate["finishReason"] = FINISH_REASONS.get(last.finish_reason, "STOP")
+        out["usageMetadata"] = {"promptTokenCount": last.prompt_tokens, "candidatesTokenCount": last.completion_tokens,
+                                "totalTokenCount": last.prompt_tokens + last.completion_tokens}
+    out["modelVersion"] = model
+    out["responseId"] = response_id
     return out
 
 
 def response(answer: Answer) -> bytes:
     """The non-streaming answer."""
-    return _ENCODER.encode(_chunk(answer, answer_parts(answer), last=True))
-
-
-def sse_events(answer: Answer) -> bytes:
-    """One `data:` chunk per part, as Gemini streams them (no `[DONE]`); the last carries the finish
-    reason and the usage."""
-    parts = answer_parts(answer)
-    chunks = [_chunk(answer, [part], last=False) for part in parts[:-1]]
-    chunks.append(_chunk(answer, parts[-1:], last=True))
-    return b"".join(b"data: " + _ENCODER.encode(chunk) + b"\n\n" for chunk in chunks)
+    return _ENCODER.encode(chunk(answer.id, answer.model, answer_parts(answer), answer))
 
 
 def stream_error(exc: ProxyError) -> bytes:

@@ -1,4 +1,5 @@
-"""OpenAI Responses: the body decoded into a `ChatCall`, the `Answer` rendered as a Response or its typed events.
+"""OpenAI Responses: the body decoded into a `ChatCall`, the `Answer` rendered as a Response (its typed events:
+`proxy.openai_responses_stream`).
 
 `input` is a string or a list of items. Items are grouped into chat messages: `instructions` and
 `developer` messages become system messages (chat templates render no developer role), `message`
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from harness_rl.trace import ToolCall
 from proxy import opaque_reasoning
 from proxy.chat import (
     Answer,
@@ -269,33 +271,41 @@ class ResponseMemory:
             raise ProxyError(404, f"previous_response_id: no response {response_id!r} in this session")
         return list(found)
 
-    def remember(self, session: object, conversation: list[ChatMessage], answer: Answer) -> Answer:
-        """The answer under a fresh response id, kept with the conversation it completes."""
-        response_id = "resp_" + secrets.token_hex(16)
-        self._by_session.setdefault(session, {})[response_id] = [*conversation, assistant_message(answer.reply)]
-        return msgspec.structs.replace(answer, id=response_id)
+    def remember(self, session: object, conversation: list[ChatMessage], answer: Answer) -> None:
+        """Keep the conversation an answer completes under the answer's id (a `new_response_id`)."""
+        self._by_session.setdefault(session, {})[answer.id] = [*conversation, assistant_message(answer.reply)]
+
+
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(16)
 
 
 # ---------------------------------------------------------------------------------------------- rendering
+
+
+def reasoning_item(key: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{key}", "summary": [{"type": "summary_text", "text": text}],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": opaque_reasoning.wrap(text)}
+
+
+def message_item(key: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{key}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def call_item(key: str, index: int, call: ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{key}_{index}", "status": status, "call_id": call.id,
+            "name": call.name, "arguments": call.arguments}
 
 
 def output_items(answer: Answer) -> list[dict[str, Any]]:
     """The answer's output items: reasoning, then the message, then each function call."""
     reply, key = answer.reply, answer.id.removeprefix("resp_")
     status = "incomplete" if answer.finish_reason == "length" else "completed"
-    items: list[dict[str, Any]] = []
-    if reply.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{key}", "summary": [{"type": "summary_text",
-                                                                            "text": reply.reasoning}],
-                      "content": [{"type": "reasoning_text", "text": reply.reasoning}],
-                      "encrypted_content": opaque_reasoning.wrap(reply.reasoning)})
+    items = [reasoning_item(key, reply.reasoning)] if reply.reasoning else []
     if reply.content or not (reply.tool_calls or reply.reasoning):
-        items.append({"type": "message", "id": f"msg_{key}", "status": status, "role": "assistant",
-                      "content": [{"type": "output_text", "text": reply.content or "", "annotations": []}]})
-    for i, call in enumerate(reply.tool_calls):
-        items.append({"type": "function_call", "id": f"fc_{key}_{i}", "status": status, "call_id": call.id,
-                      "name": call.name, "arguments": call.arguments})
-    return items
+        items.append(message_item(key, reply.content or "", status))
+    return items + [call_item(key, i, call, status) for i, call in enumerate(reply.tool_calls)]
 
 
 def response_dict(answer: Answer, call: ChatCall, output: list[dict[str, Any]] | None = None,
@@ -326,58 +336,11 @@ def response(answer: Answer, call: ChatCall) -> bytes:
     return _ENCODER.encode(response_dict(answer, call))
 
 
-def sse_events(answer: Answer, call: ChatCall) -> bytes:
-    """The typed event stream, in the order codex and the SDKs read it: created, in_progress, per item
-    added → its deltas and dones → output_item.done (the item clients store and echo), then completed
-    (or incomplete when the answer hit its token limit)."""
-    out: list[bytes] = []
-
-    def event(kind: str, **data: Any) -> None:
-        body = {"type": kind, "sequence_number": len(out), **data}
-        out.append(b"event: " + kind.encode() + b"\ndata: " + _ENCODER.encode(body) + b"\n\n")
-
-    opening = response_dict(answer, call, output=[], status="in_progress")
-    event("response.created", response=opening)
-    event("response.in_progress", response=opening)
-    for index, item in enumerate(output_items(answer)):
-        at = {"item_id": item["id"], "output_index": index}
-        kind = item["type"]
-        if kind == "reasoning":
-            text = item["content"][0]["text"]
-            event("response.output_item.added", output_index=index, item={**item, "summary": [], "content": []})
-            event("response.reasoning_summary_part.added", **at, summary_index=0,
-                  part={"type": "summary_text", "text": ""})
-            event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
-            event("response.reasoning_summary_text.done", **at, summary_index=0, text=text)
-            event("response.reasoning_summary_part.done", **at, summary_index=0, part=item["summary"][0])
-            event("response.reasoning_text.delta", **at, content_index=0, delta=text)
-            event("response.reasoning_text.done", **at, content_index=0, text=text)
-        elif kind == "message":
-            part = item["content"][0]
-            event("response.output_item.added", output_index=index,
-                  item={**item, "status": "in_progress", "content": []})
-            event("response.content_part.added", **at, content_index=0, part={**part, "text": ""})
-            if part["text"]:
-                event("response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=[])
-            event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
-            event("response.content_part.done", **at, content_index=0, part=part)
-        else:
-            event("response.output_item.added", output_index=index,
-                  item={**item, "status": "in_progress", "arguments": ""})
-            if item["arguments"]:
-                event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
-        event("response.output_item.done", output_index=index, item=item)
-    final = response_dict(answer, call)
-    event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
-    return b"".join(out)
-
-
 def stream_error(exc: ProxyError) -> bytes:
     """A failure after the stream opened: `response.failed`, whose error codex turns into its own
     (rate limits are retried, the rest end the turn)."""
     code = "rate_limit_exceeded" if exc.status == 429 else "server_error" if exc.status >= 500 else "invalid_prompt"
-    failed = {"id": "resp_" + secrets.token_hex(16), "object": "response", "created_at": int(time.time()),
+    failed = {"id": new_response_id(), "object": "response", "created_at": int(time.time()),
               "status": "failed",
               "error": {"code": code, "message": exc.message}, "incomplete_details": None, "output": [],
               "usage": None}

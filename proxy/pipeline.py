@@ -16,14 +16,14 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, ToolCall, VersionSpan
+from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, ToolCall, VersionSpan
 from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
 from proxy.engine_wire import SamplingParams, WeightVersionSpan
 from proxy.session import Session, TurnCapture
 from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
-from proxy.upstream import ChatRender, EngineClient, Rendered
+from proxy.upstream import ChatRender, EngineClient, Generated, Rendered
 
 BUDGET_MESSAGE = "Step budget exhausted; stopping."
 _ENCODER = msgspec.json.Encoder()
@@ -69,6 +69,21 @@ class Prompt(msgspec.Struct, frozen=True):
     prefix_break: PrefixBreak | None = None
 
 
+class Prepared(msgspec.Struct, frozen=True, kw_only=True):
+    """One call made ready for the engine: its prompt ids, what it samples with, and what its turn records."""
+
+    prompt: Prompt
+    params: SamplingParams
+    stops: list[str]  # stop strings (the engine stops after them; the agent never sees them)
+    sampling: Sampling
+    conversation: bytes  # the chat body the engine's parsers read the answer against
+    messages: list[bytes]
+    message_digests: bytes
+    tools: bytes | None
+    started: float
+    version_at_start: int | None
+
+
 class CapturePipeline:
     def __init__(self, config: ProxyConfig, engine: EngineClient) -> None:
         self.config = config
@@ -76,11 +91,19 @@ class CapturePipeline:
         self.gate = Gate()
         self.announced_version: int | None = None  # the learner's latest, for engines that do not stamp replies
 
-    async def capture(self, session: Session, call: ChatCall, harness: dict[str, str]) -> tuple[Answer, str]:
+    async def capture(self, session: Session, call: ChatCall, harness: dict[str, str],
+                      answer_id: str | None = None) -> tuple[Answer, str]:
         """Ask the engine, check and record the turn; return the answer and the turn's node id.
 
         The caller holds the gate (`Gate.enter`) and has admitted the call against the session's budget.
         """
+        prepared = await self.prepare(session, call)
+        sample = await self.engine.generate(prepared.prompt.ids, prepared.params)
+        reply = await self.read(prepared, sample)
+        return self.record(session, call, harness, prepared, sample, reply, answer_id)
+
+    async def prepare(self, session: Session, call: ChatCall) -> Prepared:
+        """The sampling the policy allows and the prompt ids (spliced or rendered)."""
         applied, sampling = self.config.sampling.apply(call.knobs, session.opened.max_tokens_per_turn)
         encoded = [_ENCODER.encode(m) for m in call.messages]
         tools = _ENCODER.encode(call.tools) if call.tools else None
@@ -90,31 +113,44 @@ class CapturePipeline:
         message_digests = digests(encoded)
         started, version_at_start = time.time(), self.announced_version
         prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
-        sample = await self.engine.generate(prompt.ids, SamplingParams.capturing(
-            temperature=applied.temperature, max_tokens=applied.max_tokens, seed=applied.seed, stop=applied.stop))
-        message = await self.engine.derender(sample, _ENCODER.encode(conversation), prompt.ids.count)
+        params = SamplingParams.capturing(temperature=applied.temperature, max_tokens=applied.max_tokens,
+                                          seed=applied.seed, stop=applied.stop)
+        return Prepared(prompt=prompt, params=params, stops=applied.stop or [], sampling=sampling,
+                        conversation=_ENCODER.encode(conversation), messages=encoded,
+                        message_digests=message_digests, tools=tools, started=started,
+                        version_at_start=version_at_start)
+
+    async def read(self, prepared: Prepared, sample: Generated) -> Reply:
+        """The reply in the sampled ids, read by the engine's own parsers."""
+        message = await self.engine.derender(sample, prepared.conversation, prepared.prompt.ids.count)
+        return Reply(content=message.content, reasoning=message.reasoning_text,
+                     tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                                 for c in message.tool_calls or ()])
+
+    def record(self, session: Session, call: ChatCall, harness: dict[str, str], prepared: Prepared,
+               sample: Generated, reply: Reply, answer_id: str | None = None) -> tuple[Answer, str]:
+        """Append the turn to the session's log; the answer to give (under `answer_id`, if the dialect chose one)."""
         finished = time.time()
-        reply = Reply(content=message.content, reasoning=message.reasoning_text,
-                      tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-                                  for c in message.tool_calls or ()])
         finish = "tool_calls" if reply.tool_calls and sample.finish_reason == "stop" else sample.finish_reason
         metadata: dict[str, Any] = {"dialect": call.dialect, "model": call.model,
                                     "served_model": self.engine.model or None, "stream": call.stream,
                                     "harness": harness, "engine_attempts": sample.attempts}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
-        spans = _version_spans(sample.spans, version_at_start)
+        spans = _version_spans(sample.spans, prepared.version_at_start)
         version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
             else self.announced_version
+        prompt = prepared.prompt
         node_id = session.record(TurnCapture(
             prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
-            messages=encoded, message_digests=message_digests, tools=tools, reply=reply, sampling=sampling,
-            rendered=fingerprint(prompt.rendered.text),
+            messages=prepared.messages, message_digests=prepared.message_digests, tools=prepared.tools, reply=reply,
+            sampling=prepared.sampling, rendered=fingerprint(prompt.rendered.text),
             metadata=metadata, policy_version=version, version_spans=spans if len(spans) > 1 else [],
-            finish_reason=finish, started_at=started,
+            finish_reason=finish, started_at=prepared.started,
             finished_at=finished, prompt_source=prompt.source, prefix_break=prompt.prefix_break))
-        answer = Answer(id=f"chatcmpl-{secrets.token_hex(12)}", created=int(started), model=call.model, reply=reply,
-                        finish_reason=finish, prompt_tokens=prompt.ids.count, completion_tokens=len(sample.ids),
+        answer = Answer(id=answer_id or new_answer_id(), created=int(prepared.started), model=call.model,
+                        reply=reply, finish_reason=finish, prompt_tokens=prompt.ids.count,
+                        completion_tokens=len(sample.ids),
                         logprobs=[SampledToken(i, lp) for i, lp in zip(sample.ids, sample.logps, strict=True)]
                         if call.logprobs else None)
         return answer, node_id
@@ -153,9 +189,13 @@ class CapturePipeline:
         return Prompt(Rendered(ids, count), full, "spliced")
 
 
-def budget_answer(call: ChatCall) -> Answer:
+def new_answer_id() -> str:
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+def budget_answer(call: ChatCall, answer_id: str | None = None) -> Answer:
     """The answer given, without asking the engine, once a session's step budget is spent (never recorded)."""
-    return Answer(id=f"chatcmpl-budget-{secrets.token_hex(6)}", created=int(time.time()), model=call.model,
+    return Answer(id=answer_id or f"chatcmpl-budget-{secrets.token_hex(6)}", created=int(time.time()), model=call.model,
                   reply=Reply(content=BUDGET_MESSAGE), finish_reason="stop", prompt_tokens=0, completion_tokens=0)
 
 

@@ -32,6 +32,7 @@ from proxy.engine_wire import (
     GenerateRequest,
     GenerateResponse,
     SamplingParams,
+    Usage,
     WeightVersionSpan,
 )
 from proxy.errors import ProxyError
@@ -148,7 +149,7 @@ class EngineClient:
     async def render(self, request: ChatRender) -> Rendered:
         """The prompt ids of a conversation, rendered by the engine's own chat template."""
         request = msgspec.structs.replace(request, model=await self.served_model())
-        data, _, _ = await self._post("/v1/chat/completions/render", _ENCODER.encode(request))
+        data, _, _ = await self.post("/v1/chat/completions/render", _ENCODER.encode(request))
         try:
             ids = bytes(RENDER_DECODER.decode(data).token_ids)
             if self.vocab_size is not None:
@@ -168,7 +169,7 @@ class EngineClient:
         """Sample from prompt ids; the answer is checked before anyone sees it."""
         request = GenerateRequest(token_ids=msgspec.Raw(b"[" + prompt.text[:-1] + b"]"), sampling_params=sampling,
                                   model=await self.served_model())
-        data, headers, attempts = await self._post("/inference/v1/generate", _ENCODER.encode(request))
+        data, headers, attempts = await self.post("/inference/v1/generate", _ENCODER.encode(request))
         try:
             reply = GENERATE_DECODER.decode(data)
         except msgspec.DecodeError as exc:
@@ -182,11 +183,8 @@ class EngineClient:
             raise ProxyError(502, f"the engine at {self.url} returned no sampled token ids or logprobs; {VLLM_HINT}")
         ids, logps = choice.token_ids, [e.logprob for e in entries]
         check_sample(self.url, ids, [e.token_id for e in entries], logps, self.vocab_size)
-        if reply.usage is not None and (reply.usage.completion_tokens != len(ids)
-                                        or reply.usage.prompt_tokens != prompt.count):
-            raise ProxyError(502, f"the engine at {self.url} reported usage {reply.usage.prompt_tokens}+"
-                                  f"{reply.usage.completion_tokens} tokens for a {prompt.count}-token prompt and "
-                                  f"{len(ids)} sampled ids")
+        if reply.usage is not None:
+            check_usage(self.url, reply.usage, prompt.count, len(ids))
         version = headers.get(POLICY_VERSION_HEADER)
         return Generated(ids, logps, choice.finish_reason or "stop", choice.stop_reason, choice.weight_versions or [],
                          int(version) if version and version.isdigit() else None, attempts)
@@ -200,7 +198,7 @@ class EngineClient:
         request = DerenderRequest(generate_response=GenerateResponse([DerenderChoice(ids, sample.finish_reason)]),
                                   chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt_tokens,
                                   model=await self.served_model())
-        data, _, _ = await self._post("/v1/chat/completions/derender", _ENCODER.encode(request))
+        data, _, _ = await self.post("/v1/chat/completions/derender", _ENCODER.encode(request))
         try:
             message = DERENDER_DECODER.decode(data).choices[0].message
         except (msgspec.DecodeError, IndexError) as exc:
@@ -235,14 +233,14 @@ class EngineClient:
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
         """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
         body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
-        data, _, _ = await self._post("/tokenize", _ENCODER.encode(body))
+        data, _, _ = await self.post("/tokenize", _ENCODER.encode(body))
         try:
             return TOKENIZE_DECODER.decode(data).count
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.url} sent a /tokenize reply this proxy cannot read: "
                                   f"{exc}") from None
 
-    async def _post(self, path: str, payload: bytes) -> tuple[bytes, Any, int]:
+    async def post(self, path: str, payload: bytes) -> tuple[bytes, Any, int]:
         status, data, headers, attempts = await self._send_with_retries(path, payload)
         if status in (403, 404) and path != "/tokenize":
             raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
@@ -251,7 +249,20 @@ class EngineClient:
             raise _engine_error(self.url, status, data, headers)
         return data, headers, attempts
 
-    async def _send_with_retries(self, path: str, payload: bytes) -> tuple[int, bytes, Any, int]:
+    async def open_stream(self, path: str, payload: bytes) -> aiohttp.ClientResponse:
+        """POST for a streamed reply and return it open (the caller reads it, then releases it: closing it
+        early ends the engine's work). Retried as `post` until the engine answers 200; the deadline covers
+        the whole stream."""
+        status, response, headers, _ = await self._send_with_retries(path, payload, stream=True)
+        if isinstance(response, aiohttp.ClientResponse):
+            return response
+        if status in (403, 404):
+            raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
+                                  f"{_error_message(response)}); {VLLM_HINT}")
+        raise _engine_error(self.url, status, response, headers)
+
+    async def _send_with_retries(self, path: str, payload: bytes,
+                                 stream: bool = False) -> tuple[int, Any, Any, int]:
         """POST, retrying 408/429/5xx answers and lost connections; every attempt and wait ends by one deadline.
 
         A wait that would end past the deadline (a long Retry-After) is not waited: the last answer
@@ -263,7 +274,7 @@ class EngineClient:
         while True:
             attempt += 1
             try:
-                status, data, headers = await self._send("POST", path, payload, deadline)
+                status, data, headers = await self._send("POST", path, payload, deadline, stream)
             except EngineUnreachable:
                 if attempt > self.retries or time.monotonic() + delay >= deadline:
                     raise
@@ -277,17 +288,21 @@ class EngineClient:
             await asyncio.sleep(wait)
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
 
-    async def _send(self, method: str, path: str, payload: bytes | None,
-                    deadline: float | None = None) -> tuple[int, bytes, Any]:
-        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now)."""
+    async def _send(self, method: str, path: str, payload: bytes | None, deadline: float | None = None,
+                    stream: bool = False) -> tuple[int, Any, Any]:
+        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now). With `stream`, a
+        200 reply is returned unread (the response itself, still open)."""
         assert self._http is not None, "EngineClient.start() was not awaited"
         remaining = (deadline - time.monotonic()) if deadline is not None else self.timeout_s
         try:
             if remaining <= 0:
                 raise TimeoutError
-            async with self._http.request(method, self.url + path, data=payload,
-                                          headers={"Content-Type": "application/json"},
-                                          timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
+            resp = await self._http.request(method, self.url + path, data=payload,
+                                            headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=remaining))
+            if stream and resp.status == 200:
+                return resp.status, resp, resp.headers
+            async with resp:
                 return resp.status, await self._read(resp), resp.headers
         except TimeoutError:
             raise ProxyError(504, f"the engine at {self.url} did not answer within {self.timeout_s:g} s") from None
@@ -351,6 +366,12 @@ def _error_message(data: bytes) -> str:
         if "detail" in decoded:
             return str(decoded["detail"])
     return str(decoded)[:500]
+
+
+def check_usage(url: str, usage: Usage, prompt_tokens: int, sampled: int) -> None:
+    if usage.completion_tokens != sampled or usage.prompt_tokens != prompt_tokens:
+        raise ProxyError(502, f"the engine at {url} reported usage {usage.prompt_tokens}+{usage.completion_tokens} "
+                              f"tokens for a {prompt_tokens}-token prompt and {sampled} sampled ids")
 
 
 def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float],

@@ -76,6 +76,10 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.drift = False
     fake.drop_reasoning = False
     fake.open_thinking = False
+    fake.token_delay_s = 0.0
+    fake.stream_leak = None
+    fake.aborted.clear()
+    fake.derender_steps.clear()
     return fake
 
 

@@ -71,8 +71,13 @@ class FakeEngine:
     requests: list[dict[str, Any]] = field(default_factory=list)  # generate bodies
     conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
     keep_requests: bool = True
+    token_delay_s: float = 0.0  # streamed generate: the pause before each step
+    stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
+    aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
+    derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
+    _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
 
     def _ids(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -187,6 +192,9 @@ class FakeEngine:
         if scripted is not None and scripted.synced_to is not None:  # like vLLM's pause(mode=keep) mid-generation
             self.version = scripted.synced_to
             spans = [{**spans[0], "end": 1}, {"version": str(self.version), "start": 1, "end": len(completion)}]
+        if body.get("stream"):
+            self._streamed[tuple(prompt)] = self._sampled[tuple(completion[:-1] if finish == "stop" else completion)]
+            return await self._stream(request, body, completion, finish, spans)
         choice: dict[str, Any] = {"index": 0, "token_ids": completion, "finish_reason": finish, "stop_reason": None,
                                   "weight_versions": spans}
         if self.capture:
@@ -195,8 +203,58 @@ class FakeEngine:
                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}}
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers())
 
+    async def _stream(self, request: web.Request, body: dict[str, Any], completion: list[int], finish: str,
+                      spans: list[dict[str, Any]]) -> web.StreamResponse:
+        """vLLM's streamed generate: one chunk per token (the last with the finish and the spans), then the usage."""
+        request_id = f"generate-{len(body['token_ids'])}"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
+        await response.prepare(request)
+        events = []
+        for k, token in enumerate(completion):
+            last = k == len(completion) - 1
+            choice: dict[str, Any] = {"index": 0, "token_ids": [token], "finish_reason": finish if last else None,
+                                      "stop_reason": None, "weight_versions": spans if last else None}
+            if self.capture:
+                choice["logprobs"] = {"content": [{"token_id": token, "logprob": logprob_of(token)}]}
+            events.append({"request_id": request_id, "usage": None, "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({"request_id": request_id, "choices": [], "usage": {
+                "prompt_tokens": len(body["token_ids"]), "completion_tokens": len(completion)}})
+        try:
+            for event in events:
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                await response.write(b"data: " + _ENCODER.encode(event) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            self.aborted.append(request_id)
+        return response
+
+    async def _derender_step(self, body: dict[str, Any]) -> web.Response:
+        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token)."""
+        ids = body["generate_chunk"]["choices"][0]["token_ids"]
+        self.derender_steps.append(ids)
+        message = self._streamed[tuple(body["prompt_token_ids"])]
+        before = (body.get("stream_state") or {}).get("count", 0)
+        reasoning, content = message.get("reasoning") or "", message.get("content") or ""
+        thought = 1 + len(self._ids(reasoning)) if reasoning else 0
+
+        def text(count: int) -> tuple[str, str]:
+            return _prefix(reasoning, count - 1 if reasoning else 0), _prefix(content, count - thought)
+
+        (r0, c0), (r1, c1) = text(before), text(before + len(ids))
+        delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
+        if self.stream_leak and delta["content"]:
+            delta["content"] += self.stream_leak
+        chunk = {"id": "chatcmpl-derendered", "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        return web.Response(body=_ENCODER.encode({"chunk": chunk, "stream_state": {"count": before + len(ids)}}),
+                            content_type="application/json")
+
     async def _derender(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
+        if body.get("stream"):
+            return await self._derender_step(body)
         choice = body["generate_response"]["choices"][0]
         message = self._sampled.get(tuple(choice["token_ids"]))
         if message is None:
@@ -215,6 +273,11 @@ class FakeEngine:
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(body=b'{"object":"list","data":[{"id":"fake","object":"model"}]}',
                             content_type="application/json")
+
+
+def _prefix(text: str, tokens: int) -> str:
+    """The text of a message's first `tokens` tokens (4 UTF-8 bytes each), an unfinished character held back."""
+    return text.encode()[:max(tokens, 0) * 4].decode(errors="ignore") if tokens < len(text.encode()) / 4 else text
 
 
 def _content(content: Any) -> str:

@@ -103,7 +103,8 @@ def test_streaming_chat_with_tool_call_deltas_and_usage(fake_proxy: RunningProxy
     assert chunks[4]["choices"][0]["finish_reason"] == "tool_calls"
     assert chunks[5]["choices"] == [] and chunks[5]["usage"]["prompt_tokens"] > 0
     assert all("token_ids" not in c and "prompt_token_ids" not in c for c in chunks)
-    assert "stream" not in fake_engine.requests[-1]
+    assert fake_engine.requests[-1]["stream"] is True  # sampled as a stream, with the usage to check it against
+    assert fake_engine.requests[-1]["stream_options"] == {"include_usage": True}
     assert agent.trace().turns[0].metadata["stream"] is True
 
 

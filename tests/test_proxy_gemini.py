@@ -16,6 +16,8 @@ from proxy_agent import Agent, comparable
 from harness_rl.trace import Reply, ToolCall
 from proxy import gemini
 from proxy.chat import Answer, assistant_message
+from proxy.gemini_stream import GeminiStream
+from proxy.live import head_of, whole_stream
 from proxy.server import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
@@ -82,7 +84,8 @@ def test_an_echoed_answer_is_the_assistant_message_it_answered(reply: Reply, ech
     """Answer → Gemini JSON (or its SSE chunks) → echoed by the agent → ChatCall → the same message."""
     done = answer(reply)
     if stream:
-        parts = [p for c in chunks(gemini.sse_events(done).decode()) for p in c["candidates"][0]["content"]["parts"]]
+        streamed = chunks(whole_stream(GeminiStream(head_of(done)), done).decode())
+        parts = [p for c in streamed for p in c["candidates"][0]["content"]["parts"]]
     else:
         parts = json.loads(gemini.response(done))["candidates"][0]["content"]["parts"]
     calls = [p["functionCall"] for p in parts if "functionCall" in p]
@@ -142,7 +145,8 @@ def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake
     second["contents"][2]["parts"][0]["functionResponse"]["id"] = call_id
     fake_engine.script.append(Scripted(content="Wrote hello.txt."))
     final = chunks(post(agent, second, "streamGenerateContent").text)
-    assert final[-1]["candidates"][0]["content"]["parts"] == [{"text": "Wrote hello.txt."}]
+    assert "".join(p["text"] for c in final for p in c["candidates"][0]["content"]["parts"]) == "Wrote hello.txt."
+    assert final[-1]["candidates"][0]["finishReason"] == "STOP" and "usageMetadata" in final[-1]
     sent = fake_engine.conversations[-1]["messages"]
     assert sent[2]["tool_calls"][0]["id"] == call_id
     assert sent[3] == {"role": "tool", "tool_call_id": call_id,
