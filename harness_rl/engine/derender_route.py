@@ -6,8 +6,8 @@ whole with special tokens kept, so a trailing end-of-turn token shows in the con
 strings are not applied (drop the stop token and cut at the stop string to get the chat route's
 text); `finish_reason` and `stop_reason` are passed through as given (no `tool_calls` rewrite);
 tool-call ids are 16 hex digits; logprob tokens are decoded text, never `token_id:N`, and each
-entry's `top_logprobs` are generate's (the sampled token first). Only the whole form: a body with
-`stream: true` is refused.
+entry's `top_logprobs` are generate's (the sampled token first). A body with `stream: true` derenders
+one generate chunk (`derender_stream`).
 """
 
 import os
@@ -18,6 +18,7 @@ from aiohttp import web
 
 from harness_rl.engine.chat_request import parses_tools
 from harness_rl.engine.chat_route import assistant_message
+from harness_rl.engine.derender_stream import derender_chunk
 from harness_rl.engine.errors import ApiError, validation_error
 from harness_rl.engine.hermes import parse_tool_calls
 from harness_rl.engine.protocol import decode_body
@@ -102,12 +103,7 @@ async def derender_chat_completion(request: web.Request) -> web.Response:
     engine = request.app[CONTEXT].engine
     body = decode_body(await request.read(), DerenderBody)
     if body.stream:
-        raise ApiError(
-            400,
-            "Streaming derender is not supported by the embedded engine: derender the whole generate answer "
-            "(stream: false).",
-            param="stream",
-        )
+        return derender_chunk(engine, body)
     generated = body.generate_response
     if generated is None:
         raise validation_error("body.generate_response", "missing", "Field required", "<the body>")

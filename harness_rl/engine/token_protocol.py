@@ -97,10 +97,50 @@ class GeneratedReply(msgspec.Struct, kw_only=True):
     metrics: dict[str, Any] | None = None
 
 
-class DerenderBody(msgspec.Struct, kw_only=True):
-    """`POST /v1/chat/completions/derender` (non-streaming): sampled ids → a chat completion."""
+class ChunkUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
-    generate_response: GeneratedReply | None = None  # required unless streaming (which is refused)
+
+class StreamedChoice(msgspec.Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class GeneratedChunk(msgspec.Struct, kw_only=True):
+    """One streamed generate chunk as the streaming derender takes it (vLLM's `GenerateTokensStreamResponse`)."""
+
+    choices: list[StreamedChoice]
+    request_id: str = msgspec.field(default_factory=short_id)
+    usage: ChunkUsage | None = None
+
+
+class StreamState(msgspec.Struct, kw_only=True):
+    """vLLM's `DerenderStreamState` on the parser path: every output id so far and each call's share of them
+    (a read replays them), whether the role and tool calls went out, and the ids those calls were given. The
+    detokenizer fields are carried as vLLM carries them (the parser path re-decodes from the prompt)."""
+
+    prev_tokens: list[str] = []
+    prefix_offset: int = 0
+    read_offset: int = 0
+    role_sent: bool = False
+    logprob_context_token_ids: list[int] = []
+    logprob_text_offset: int = 0
+    output_token_ids: list[int] = []
+    output_chunk_lens: list[int] = []
+    tools_streamed: bool = False
+    last_tool_call_ids: list[str] = []
+
+
+class DerenderBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/chat/completions/derender`: sampled ids (`generate_response`) → a chat completion, or, with
+    `stream: true`, one generate chunk and the state the last call returned → one chat completion chunk."""
+
+    generate_response: GeneratedReply | None = None  # required unless streaming
+    generate_chunk: GeneratedChunk | None = None  # required when streaming
+    stream_state: StreamState | None = None
     chat_request: ChatCompletionRequest | None = None
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None
