@@ -78,6 +78,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.open_thinking = False
     fake.token_delay_s = 0.0
     fake.stream_leak = None
+    fake.usage_offset = 0
     fake.aborted.clear()
     fake.derender_steps.clear()
     return fake

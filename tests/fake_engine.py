@@ -73,6 +73,7 @@ class FakeEngine:
     keep_requests: bool = True
     token_delay_s: float = 0.0  # streamed generate: the pause before each step
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
+    usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -193,7 +194,8 @@ class FakeEngine:
             self.version = scripted.synced_to
             spans = [{**spans[0], "end": 1}, {"version": str(self.version), "start": 1, "end": len(completion)}]
         if body.get("stream"):
-            self._streamed[tuple(prompt)] = self._sampled[tuple(completion[:-1] if finish == "stop" else completion)]
+            self._streamed[tuple(prompt)] = {"message": self._sampled[tuple(completion[:-1] if finish == "stop"
+                                                                             else completion)], "ids": completion}
             return await self._stream(request, body, completion, finish, spans)
         choice: dict[str, Any] = {"index": 0, "token_ids": completion, "finish_reason": finish, "stop_reason": None,
                                   "weight_versions": spans}
@@ -219,7 +221,7 @@ class FakeEngine:
             events.append({"request_id": request_id, "usage": None, "choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append({"request_id": request_id, "choices": [], "usage": {
-                "prompt_tokens": len(body["token_ids"]), "completion_tokens": len(completion)}})
+                "prompt_tokens": len(body["token_ids"]), "completion_tokens": len(completion) + self.usage_offset}})
         try:
             for event in events:
                 if self.token_delay_s:
@@ -234,15 +236,9 @@ class FakeEngine:
         """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token)."""
         ids = body["generate_chunk"]["choices"][0]["token_ids"]
         self.derender_steps.append(ids)
-        message = self._streamed[tuple(body["prompt_token_ids"])]
+        message = self._streamed[tuple(body["prompt_token_ids"])]["message"]
         before = (body.get("stream_state") or {}).get("count", 0)
-        reasoning, content = message.get("reasoning") or "", message.get("content") or ""
-        thought = 1 + len(self._ids(reasoning)) if reasoning else 0
-
-        def text(count: int) -> tuple[str, str]:
-            return _prefix(reasoning, count - 1 if reasoning else 0), _prefix(content, count - thought)
-
-        (r0, c0), (r1, c1) = text(before), text(before + len(ids))
+        (r0, c0), (r1, c1) = self._text(message, before), self._text(message, before + len(ids))
         delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
         if self.stream_leak and delta["content"]:
             delta["content"] += self.stream_leak
@@ -251,12 +247,26 @@ class FakeEngine:
         return web.Response(body=_ENCODER.encode({"chunk": chunk, "stream_state": {"count": before + len(ids)}}),
                             content_type="application/json")
 
+    def _text(self, message: dict[str, Any], count: int) -> tuple[str, str]:
+        """The reasoning and content of a message's first `count` sampled tokens."""
+        reasoning, content = message.get("reasoning") or "", message.get("content") or ""
+        thought = 1 + len(self._ids(reasoning)) if reasoning else 0
+        return _prefix(reasoning, count - 1 if reasoning else 0), _prefix(content, count - thought)
+
+    def _cut_short(self, ids: list[int]) -> dict[str, Any] | None:
+        """The message of a streamed sample cut short after `ids`."""
+        for streamed in self._streamed.values():
+            if streamed["ids"][:len(ids)] == ids:
+                reasoning, content = self._text(streamed["message"], len(ids))
+                return {"role": "assistant", "content": content, "reasoning": reasoning or None}
+        return None
+
     async def _derender(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         if body.get("stream"):
             return await self._derender_step(body)
         choice = body["generate_response"]["choices"][0]
-        message = self._sampled.get(tuple(choice["token_ids"]))
+        message = self._sampled.get(tuple(choice["token_ids"])) or self._cut_short(choice["token_ids"])
         if message is None:
             return web.Response(status=400, content_type="application/json",
                                 body=_ENCODER.encode({"error": {"message": "ids this fake never sampled"}}))
