@@ -92,6 +92,10 @@ def script(url: str, tools: list[str] = (), no_tools: list[str] = ()) -> None:
         "derender_same_ids_as_forced_chat",
         "derender_plain_no_chat_request",
         "derender_empty_ids",
+        "derender_stream_chunk0",
+        "derender_stream_chunk1",
+        "derender_stream_chunk5",
+        "derender_stream_no_prompt_ids",
         "generate_bad_token",
         "generate_negative_token",
         "generate_empty",
@@ -301,14 +305,14 @@ def test_generate_logprobs_equal_a_forward_pass_on_a_spliced_prompt(engine: Engi
         assert len(top) == 2
 
 
-def test_derender_needs_the_chat_request_and_refuses_streaming(engine_url: str) -> None:
+def test_derender_needs_the_chat_request(engine_url: str) -> None:
     generated = {"choices": [{"index": 0, "token_ids": [53, 820, 16], "finish_reason": "stop"}], "request_id": "x"}
     chat = {"messages": MESSAGES}
     reply = post(engine_url, "/v1/chat/completions/derender", {"generate_response": generated, "chat_request": chat})
     assert reply.status_code == 200 and reply.json()["id"] == "x"
     assert reply.json()["choices"][0]["message"]["content"] == "Sure."
     streamed = post(engine_url, "/v1/chat/completions/derender", {"stream": True, "generate_chunk": generated})
-    assert streamed.status_code == 400 and "Streaming derender is not supported" in streamed.json()["error"]["message"]
+    assert streamed.status_code == 400 and "chat_request is required" in streamed.json()["error"]["message"]
     wrong = post(
         engine_url,
         "/v1/chat/completions/derender",

@@ -78,6 +78,12 @@ def derender_chunk(engine: Any, body: DerenderBody) -> web.Response:
         piece = text.upto(len(text.ids), final=finished)
         delta: dict[str, Any] = parser.feed(piece, final=finished) if parser is not None else {"content": piece}
         calls = delta.get("tool_calls") or []
+        pinned = list(state.last_tool_call_ids)
+        for call in calls:  # a call that already went out keeps the id it went out with
+            if call["index"] < len(pinned):
+                call["id"] = pinned[call["index"]]
+            else:
+                pinned.append(call["id"])
         message = {
             "role": None if state.role_sent else "assistant",
             "content": delta.get("content") or None,
@@ -103,7 +109,7 @@ def derender_chunk(engine: Any, body: DerenderBody) -> web.Response:
                 "output_token_ids": [*state.output_token_ids, *ids],
                 "output_chunk_lens": [*state.output_chunk_lens, len(ids)] if ids else state.output_chunk_lens,
                 "tools_streamed": state.tools_streamed or bool(calls),
-                "last_tool_call_ids": [*state.last_tool_call_ids, *(c["id"] for c in calls)],
+                "last_tool_call_ids": pinned,
             }
         )
     counted = None
@@ -117,6 +123,10 @@ def derender_chunk(engine: Any, body: DerenderBody) -> web.Response:
         "model": body.model or engine.served_model_name,
         "choices": choices,
         "usage": counted,
+        "system_fingerprint": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "metrics": None,
     }
     return web.json_response({"chunk": chunk, "stream_state": _fields(state)})
 
