@@ -92,6 +92,16 @@ class SampleStream:
 
     async def steps(self) -> AsyncIterator[list[int]]:
         """Each step's new ids, as they come, checked: the engine's ids and logprobs must describe one sample."""
+        url = self.engine.url
+        try:
+            async for ids in self._read():
+                yield ids
+        except TimeoutError:
+            raise ProxyError(504, f"the engine at {url} did not finish within {self.engine.timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise ProxyError(502, f"the engine at {url} broke off its stream: {exc!r}") from None
+
+    async def _read(self) -> AsyncIterator[list[int]]:
         assert self._response is not None
         url, size, limit = self.engine.url, 0, self.engine.max_reply_bytes
         async for line in self._response.content:

@@ -79,6 +79,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.token_delay_s = 0.0
     fake.stream_leak = None
     fake.usage_offset = 0
+    fake.break_after = None
     fake.aborted.clear()
     fake.derender_steps.clear()
     return fake

@@ -74,6 +74,7 @@ class FakeEngine:
     token_delay_s: float = 0.0  # streamed generate: the pause before each step
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
+    break_after: int | None = None  # streamed generate: drop the connection after this many chunks
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -223,7 +224,9 @@ class FakeEngine:
             events.append({"request_id": request_id, "choices": [], "usage": {
                 "prompt_tokens": len(body["token_ids"]), "completion_tokens": len(completion) + self.usage_offset}})
         try:
-            for event in events:
+            for sent, event in enumerate(events):
+                if sent == self.break_after and request.transport is not None:
+                    request.transport.close()
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 await response.write(b"data: " + _ENCODER.encode(event) + b"\n\n")

@@ -190,6 +190,16 @@ def test_a_sample_that_fails_its_checks_is_an_error_event_and_nothing_is_recorde
     assert agent.trace().turns == []
 
 
+def test_an_engine_that_breaks_off_its_stream_is_an_error_event_and_nothing_is_recorded(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    agent = Agent(fake_proxy)
+    fake_engine.break_after = 5
+    fake_engine.script.append(Scripted(content=WORDS))
+    blocks, _ = stream(*_request("anthropic_messages", agent, "talk"))
+    assert blocks[-1][1]["type"] == "error" and "broke off its stream" in blocks[-1][1]["error"]["message"]
+    assert agent.trace().turns == []
+
+
 def test_stop_strings_are_held_back_until_they_cannot_be_one() -> None:
     assert _settled("abc", []) == 3
     assert _settled("ab", ["b!"]) == 1  # "b" may begin "b!"
