@@ -40,7 +40,8 @@ CHARTS = (
           labels=["trained", "forwarded"]),
     Chart(title="Mismatch KL", keys=["mismatch_kl"]),
     Chart(title="Train/inference |Δ logprob|",
-          keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"], labels=["max", "mean"]),
+          keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"],
+          labels=["max", "mean"]),
     Chart(title="After each sync |Δ logprob|", keys=["sync/logp_difference_max"]),
 )
 MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a note saying how much
