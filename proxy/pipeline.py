@@ -92,7 +92,10 @@ class CapturePipeline:
         prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
         sample = await self.engine.generate(prompt.ids, SamplingParams.capturing(
             temperature=applied.temperature, max_tokens=applied.max_tokens, seed=applied.seed, stop=applied.stop))
-        message = await self.engine.derender(sample, _ENCODER.encode(conversation), prompt.ids.count)
+        # The parsers read the request's tools, tool choice and template kwargs, never its history: sending the
+        # last message alone keeps derender's cost flat however long the conversation grows.
+        parsing = msgspec.structs.replace(conversation, messages=conversation.messages[-1:])
+        message = await self.engine.derender(sample, _ENCODER.encode(parsing), prompt.ids.count)
         finished = time.time()
         reply = Reply(content=message.content, reasoning=message.reasoning_text,
                       tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
