@@ -328,30 +328,13 @@ def measure_mismatch(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness_rl.grpo import Mismatch
-    from harness_rl.packing import pack, packed_logprobs
-    from harness_rl.rows import NO_VERSION, Row
-    from harness_rl.samples import Sample
+    from harness_rl.sync_check import score
 
     samples = asyncio.run(_sample_turns(url, model, temperature, turns, tokens))
     if isinstance(samples, Check):
         return samples
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # as the Learner loads it
-    rows = [
-        Row(
-            f"turn-{i}",
-            prompt + ids,
-            [0] * len(prompt) + [1] * len(ids),
-            [0.0] * len(prompt) + logps,
-            [NO_VERSION] * (len(prompt) + len(ids)),
-        )
-        for i, (prompt, ids, logps) in enumerate(samples)
-    ]
-    total = Mismatch()
-    with torch.no_grad():
-        for batch in pack([Sample(row, row.rollout_id, 0.0) for row in rows], token_budget=1 << 16):
-            logps, _ = packed_logprobs(learner, batch, temperature=temperature, split_rows=True)
-            total = total + Mismatch.of(logps, batch.behaviour_logps)
+    total = score(learner, samples, temperature)
     kl = total.kl_sum / max(total.tokens, 1)
     detail = (
         f"{total.tokens} tokens of {turns} turns at T={temperature}: max |Δ| {total.abs_diff_max:.2e}, k3 KL {kl:.2e}"

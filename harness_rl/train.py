@@ -264,7 +264,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
     from harness_rl.metrics import MetricsLogger
     from harness_rl.rollouts import RolloutScheduler
     from harness_rl.run_files import RunFiles
-    from harness_rl.weight_sync import ProxyGate
+    from harness_rl.sync_check import SyncCheck
+    from harness_rl.weight_sync import NoSync, ProxyGate
     from proxy.client import ProxyClient
     from proxy.server import start_proxy
 
@@ -283,11 +284,14 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
                                                vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))
         proxy = loop.run(start_proxy(proxy_config), timeout=120)
         client = ProxyClient(proxy.url, proxy.admin_token)
-        learner = Learner(engine.model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
+        temperature = config.proxy.sampling.temperature or 1.0
+        learner = Learner(engine.model_dir, config.learner, temperature=temperature,
                           seed=config.seed, weight_sync=ProxyGate(engine.sync, client, loop), output_dir=output_dir,
                           metrics=MetricsLogger(output_dir, console=False,
                                                 report_to=f"jsonl,{config.output.report_to}"),
-                          save_total_limit=config.output.save_total_limit)
+                          save_total_limit=config.output.save_total_limit,
+                          sync_check=None if isinstance(engine.sync, NoSync) else SyncCheck(engine.url, loop,
+                                                                                            temperature))
         scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:

@@ -156,10 +156,10 @@ class SampleStream:
 class TextReader:
     """The engine's parsers reading a sample as it grows; `run()` reads while `feed()` adds ids."""
 
-    def __init__(self, engine: EngineClient, conversation: bytes, prompt: Rendered, stops: list[str],
+    def __init__(self, engine: EngineClient, chat_request: bytes, prompt: Rendered, stops: list[str],
                  interval_s: float, emit: Callable[[TextKind, str], None]) -> None:
         self.engine = engine
-        self.conversation = msgspec.Raw(conversation)
+        self.chat_request = msgspec.Raw(chat_request)
         self.prompt = prompt
         self.stops = stops
         self.interval_s = interval_s
@@ -195,7 +195,7 @@ class TextReader:
     async def _read_step(self, ids: list[int]) -> None:
         request = DerenderStreamRequest(
             generate_chunk=GenerateResponse([DerenderChoice(ids)]), stream_state=self._state,
-            chat_request=self.conversation, prompt_token_ids=ids_json(self.prompt), prompt_tokens=self.prompt.count,
+            chat_request=self.chat_request, prompt_token_ids=ids_json(self.prompt), prompt_tokens=self.prompt.count,
             model=await self.engine.served_model())
         data, _, _ = await self.engine.post("/v1/chat/completions/derender", _ENCODER.encode(request))
         try:

@@ -76,7 +76,7 @@ class Prepared(msgspec.Struct, frozen=True, kw_only=True):
     params: SamplingParams
     stops: list[str]  # stop strings (the engine stops after them; the agent never sees them)
     sampling: Sampling
-    conversation: bytes  # the chat body the engine's parsers read the answer against
+    parsing: bytes  # the chat body the engine's parsers read the answer against (its last message only)
     messages: list[bytes]
     message_digests: bytes
     tools: bytes | None
@@ -115,14 +115,17 @@ class CapturePipeline:
         prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
         params = SamplingParams.capturing(temperature=applied.temperature, max_tokens=applied.max_tokens,
                                           seed=applied.seed, stop=applied.stop)
+        # The parsers read the request's tools, tool choice and template kwargs, never its history: sending the
+        # last message alone keeps derender's cost flat however long the conversation grows.
+        parsing = msgspec.structs.replace(conversation, messages=conversation.messages[-1:])
         return Prepared(prompt=prompt, params=params, stops=applied.stop or [], sampling=sampling,
-                        conversation=_ENCODER.encode(conversation), messages=encoded,
+                        parsing=_ENCODER.encode(parsing), messages=encoded,
                         message_digests=message_digests, tools=tools, started=started,
                         version_at_start=version_at_start)
 
     async def read(self, prepared: Prepared, sample: Generated) -> Reply:
         """The reply in the sampled ids, read by the engine's own parsers."""
-        message = await self.engine.derender(sample, prepared.conversation, prepared.prompt.ids.count)
+        message = await self.engine.derender(sample, prepared.parsing, prepared.prompt.ids.count)
         return Reply(content=message.content, reasoning=message.reasoning_text,
                      tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                                  for c in message.tool_calls or ()])

@@ -40,7 +40,7 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
     prepared = await pipeline.prepare(session, call)
     engine, prompt = pipeline.engine, prepared.prompt.ids
     answer_id = answer_id or new_answer_id()
-    reader = TextReader(engine, prepared.conversation, prompt, prepared.stops, pipeline.config.stream_read_s,
+    reader = TextReader(engine, prepared.parsing, prompt, prepared.stops, pipeline.config.stream_read_s,
                         lambda kind, text: emit(Text(kind, text)))
     async with SampleStream(engine, prompt, prepared.params) as stream:
         emit(Opened(AnswerHead(id=answer_id, created=int(prepared.started), model=call.model,
