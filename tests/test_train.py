@@ -259,8 +259,10 @@ def test_train_with_the_real_opencode_cli_runs_to_the_end(tmp_path: Path) -> Non
                            "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert [int(row["step"]) for row in read_metrics(out)] == [1, 2]
-    captured = [log.count('"kind":"turn"') for log in session_logs(out)]
-    assert sum(1 for n in captured if n >= 2) >= 16  # two groups of 8, each opencode run: title call + agent call
+    # two groups of 8; each opencode run's agent call (the one offering tools) is captured. Its title call
+    # is opencode's own background request, which it sometimes drops on exit: not counted.
+    traces = [json.loads(path.read_text()) for path in (out / "traces").glob("*.json")]
+    assert len(traces) == 16 and all(any(turn["tools"] for turn in trace["turns"]) for trace in traces)
 
 
 @pytest.mark.slow
