@@ -262,7 +262,7 @@ def test_train_with_the_real_opencode_cli_runs_to_the_end(tmp_path: Path) -> Non
     # two groups of 8; each opencode run's agent call (the one offering tools) is captured. Its title call
     # is opencode's own background request, which it sometimes drops on exit: not counted.
     traces = [json.loads(path.read_text()) for path in (out / "traces").glob("*.json")]
-    assert len(traces) == 16 and all(any(turn["tools"] for turn in trace["turns"]) for trace in traces)
+    assert len(traces) == 16 and all(any(turn.get("tools") for turn in trace["turns"]) for trace in traces)
 
 
 @pytest.mark.slow
