@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from harness_rl import __version__
-from harness_rl.commands import harnesses, serve_engine, serve_proxy, sft, traces, train, view
+from harness_rl.commands import build_model, evaluate, harnesses, serve_engine, serve_proxy, sft, traces, train, view
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.register(commands)
     traces.register(commands)
     sft.register(commands)
+    evaluate.register(commands)
+    build_model.register(commands)
     harnesses.register(commands)
     view.register(commands)
     return parser
