@@ -62,12 +62,16 @@ def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
 
     settings = config.engine
     if settings.engine == "embedded":
+        from harness_rl.config import BUILT_MODELS
         from harness_rl.engine import Engine as EmbeddedEngine
         from harness_rl.engine import serve_in_thread
         from harness_rl.engine.engine import DEFAULT_MAX_MODEL_LEN
+        from harness_rl.models import model_dir
 
-        engine = EmbeddedEngine.from_pretrained(settings.model, seed=config.seed,
-                                                max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        path = model_dir(settings.model, seed=config.seed, harness=config.rollouts.harness)
+        engine = EmbeddedEngine.from_pretrained(
+            path, seed=config.seed, max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            served_model_name=settings.model if settings.model in BUILT_MODELS else None)
         server = serve_in_thread(engine)
         sync: WeightSync = ws.NoSync() if settings.weight_sync == "none" else ws.InProcessSync(engine)
 
