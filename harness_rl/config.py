@@ -56,8 +56,8 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: Annotated[str, setting("embedded (this process, CPU or GPU), or the URL of a running engine "
                                    "(vLLM or `harness-rl serve engine`)")] = "embedded"
-    model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, or with --engine "
-                                  "URL the hub id that engine serves")] = ""
+    model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
+                                  "(its latest checkpoint), or with --engine URL the hub id that engine serves")] = ""
     weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "none"], setting(
         "how new weights reach the engine; auto: in-process for embedded, http for a harness-rl engine, "
         "nccl for vLLM")] = "auto"
@@ -177,6 +177,8 @@ class EvalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                  "and sample for agents that send one")] = 0
     output_dir: Annotated[str | None, setting("where eval.json, rollouts.jsonl and traces/ go; none: "
                                               "runs/eval-<harness>-<UTC time>")] = None
+    baseline: Annotated[str | None, setting("an earlier evaluation (its eval.json or directory) to print beside this "
+                                            "one, task by task")] = None
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     rollouts: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
@@ -373,11 +375,21 @@ def check_eval(config: EvalConfig) -> None:
     _check_engine(run)
     for tasks in config.tasks:
         _check_rollouts(msgspec.structs.replace(run, rollouts=msgspec.structs.replace(run.rollouts, tasks=tasks)))
+    if config.baseline is not None and not baseline_file(config.baseline).is_file():
+        raise ConfigError("--baseline", f"no evaluation at {config.baseline} (an eval.json or a directory holding one)")
     if config.output_dir is not None and (Path(config.output_dir) / "eval.json").exists():
         raise ConfigError("--output-dir", f"{config.output_dir} already holds an evaluation; choose another directory")
 
 
+def baseline_file(baseline: str) -> Path:
+    """An evaluation's eval.json, given it or its directory."""
+    path = Path(baseline)
+    return path / "eval.json" if path.is_dir() else path
+
+
 def _check_engine(config: RunConfig) -> None:
+    from harness_rl.models import run_model
+
     engine, model = config.engine.engine, config.engine.model
     embedded = engine == "embedded"
     if not embedded and not re.match(r"^https?://[^/\s]+", engine):
@@ -388,9 +400,10 @@ def _check_engine(config: RunConfig) -> None:
         if not embedded:
             raise ConfigError("--model", "with --engine URL, name the weights that engine serves (a local directory "
                                          "or hub id) so the learner trains the same model")
-    elif not (Path(model) / "config.json").is_file():
+    elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
         if Path(model).exists():
-            raise ConfigError("--model", f"{model} is not a model directory (no config.json)")
+            raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
+                                         "checkpoint")
         if embedded or not HUB_ID.match(model):
             where = "a local model directory" if embedded else "a local model directory or a hub id (org/name)"
             raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")

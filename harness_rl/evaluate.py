@@ -246,3 +246,23 @@ def table(report: EvalReport) -> str:
     lines.append("-" * len(header))
     lines += [line(s.split, f"(all {s.tasks} tasks)", s) for s in report.splits]
     return "\n".join(lines)
+
+
+def comparison(before: EvalReport, after: EvalReport) -> str:
+    """Success and mean reward of each task and split, before and after (e.g. around a training run)."""
+    header = f"{'split':<10} {'task':<24} {'success before':>15} {'after':>7} {'reward before':>14} {'after':>7}"
+    lines = [header, "-" * len(header)]
+    old: dict[tuple[str, str], Measures] = {(t.split, t.task): t for t in before.tasks}
+    old |= {(s.split, ""): s for s in before.splits}
+
+    def line(split: str, name: str, key: tuple[str, str], m: Measures) -> str:
+        was = old.get(key)
+        success = f"{was.success_rate:>15.1%}" if was is not None else f"{'-':>15}"
+        reward = f"{was.mean_reward:>14.3f}" if was is not None and was.mean_reward is not None else f"{'-':>14}"
+        now = f"{m.mean_reward:>7.3f}" if m.mean_reward is not None else f"{'-':>7}"
+        return f"{split:<10} {name:<24} {success} {m.success_rate:>7.1%} {reward} {now}"
+
+    lines += [line(t.split, t.task.rpartition("/")[2], (t.split, t.task), t) for t in after.tasks]
+    lines.append("-" * len(header))
+    lines += [line(s.split, f"(all {s.tasks} tasks)", (s.split, ""), s) for s in after.splits]
+    return "\n".join(lines)

@@ -6,7 +6,10 @@ starts for itself, with forced completions: each model call the agent makes is a
 next scripted reply (one bash tool call per line of the task's `solution/solve.sh`, then the agent's
 submit command), returned with the tokenizer's real ids and the model's own logprobs. The CLI runs
 the commands, the task's verifier scores the sandbox, and the proxy's trace is an ordinary trace:
-`OUT/traces/<task>.json` with `metadata["reward"]`, ready for `harness-rl sft --traces OUT/traces`.
+`OUT/traces/<demo>.json` with `metadata["reward"]`, ready for `harness-rl sft --traces OUT/traces`.
+
+A demonstration may also stop early (`Demo.steps`): the first few solution lines, then the submit.
+The verifier scores it 0, and it is recorded like any other: an imperfect teacher's mistake.
 
 Forced completions exist only on this private engine (never on one a training run samples from:
 `harness-rl train` cannot enable them, `tests/test_engine_forced_guard.py`). Rollouts run one at a
@@ -21,6 +24,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +45,25 @@ class TeacherError(RuntimeError):
     """A teacher that cannot run (no solution, unsupported harness) or whose replay failed."""
 
 
+@dataclass(frozen=True)
+class Demo:
+    """One demonstration: a task solved by its reference solution's first `steps` lines (all: None), then
+    the submit."""
+
+    task: Task
+    steps: int | None = None
+
+    @property
+    def name(self) -> str:
+        base = self.task.name.replace("/", "__")
+        return base if self.steps is None else f"{base}__first-{self.steps}"
+
+
 class TeacherRollout(msgspec.Struct, kw_only=True):
-    """One replayed task (a line of `OUT/rollouts.jsonl`)."""
+    """One replayed demonstration (a line of `OUT/rollouts.jsonl`)."""
 
     task: str
+    demo: str
     reward: float | None
     turns: int
     unused_replies: int  # scripted replies the agent never asked for: the replay went off script
@@ -53,8 +72,9 @@ class TeacherRollout(msgspec.Struct, kw_only=True):
     seconds: float
 
     @property
-    def solved(self) -> bool:
-        return self.reward == 1.0 and self.unused_replies == 0 and self.trace is not None
+    def replayed(self) -> bool:
+        """The agent asked for every scripted reply and no more, and the trace was captured."""
+        return self.unused_replies == 0 and self.trace is not None and self.error is None
 
 
 def bash_call(command: str) -> str:
@@ -62,40 +82,37 @@ def bash_call(command: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'bash', 'arguments': {'command': command}})}\n</tool_call>"
 
 
-def script_for(task: Task, harness: str) -> list[str]:
-    """The replies that solve `task` with `harness`: one tool call per solution line, then the submit."""
+def script_for(demo: Demo, harness: str) -> list[str]:
+    """The replies of a demonstration with `harness`: one tool call per solution line used, then the submit."""
     if harness not in HARNESSES:
         raise TeacherError(f"no teacher script for {harness}; teachers exist for {', '.join(HARNESSES)}")
-    if not task.solution_steps:
-        raise TeacherError(f"{task.path} has no solution/solve.sh to replay")
-    return [bash_call(step) for step in task.solution_steps] + [bash_call(f"echo {SUBMIT_COMMAND}")]
+    steps = demo.task.solution_steps
+    if not steps:
+        raise TeacherError(f"{demo.task.path} has no solution/solve.sh to replay")
+    return [bash_call(step) for step in steps[:demo.steps]] + [bash_call(f"echo {SUBMIT_COMMAND}")]
 
 
-def trace_name(task: Task) -> str:
-    return task.name.replace("/", "__") + ".json"
-
-
-def teacher_traces(tasks: Sequence[Task], model_dir: Path, output_dir: Path, *, harness: str = "mini-swe-agent",
+def teacher_traces(demos: Sequence[Demo], model_dir: Path, output_dir: Path, *, harness: str = "mini-swe-agent",
                    harness_options: dict[str, Any] | None = None,
                    on_rollout: Callable[[TeacherRollout], None] | None = None) -> list[TeacherRollout]:
-    """Replay every task's solution with `harness` against `model_dir`'s tokenizer and weights; write the
-    traces and `rollouts.jsonl` under `output_dir`; return one record per task."""
+    """Replay every demonstration with `harness` against `model_dir`'s tokenizer and weights; write the
+    traces and `rollouts.jsonl` under `output_dir`; return one record per demonstration."""
     from harness_rl.background import serve_proxy
     from harness_rl.engine import Engine, serve_in_thread
     from proxy.config import ProxyConfig
 
-    scripts = [script_for(task, harness) for task in tasks]
+    scripts = [script_for(demo, harness) for demo in demos]
     engine = Engine.from_pretrained(model_dir, served_model_name="policy")
     try:
         with serve_in_thread(engine, forced_completions=True) as server, serve_proxy(
                 ProxyConfig(upstream=server.url, store_dir=str(output_dir / "proxy"))) as proxy:
-            return asyncio.run(_replay(tasks, scripts, proxy.url, proxy.admin_token, server.url, output_dir,
+            return asyncio.run(_replay(demos, scripts, proxy.url, proxy.admin_token, server.url, output_dir,
                                        harness, harness_options or {}, on_rollout))
     finally:
         engine.close()
 
 
-async def _replay(tasks: Sequence[Task], scripts: list[list[str]], proxy_url: str, admin_token: str,
+async def _replay(demos: Sequence[Demo], scripts: list[list[str]], proxy_url: str, admin_token: str,
                   engine_url: str, out: Path, harness: str, harness_options: dict[str, Any],
                   on_rollout: Callable[[TeacherRollout], None] | None) -> list[TeacherRollout]:
     from harness_rl.rollouts import RolloutScheduler
@@ -108,18 +125,21 @@ async def _replay(tasks: Sequence[Task], scripts: list[list[str]], proxy_url: st
                            max_tokens_per_turn=MAX_TOKENS_PER_TURN, harness_options=harness_options)
     records: list[TeacherRollout] = []
     async with ProxyClient(proxy_url, admin_token) as proxy, aiohttp.ClientSession() as http:
-        scheduler = RolloutScheduler(tasks, proxy, config, harness=create_harness(harness, **harness_options))
-        for group_id, (task, replies) in enumerate(zip(tasks, scripts, strict=True)):
+        scheduler = RolloutScheduler([d.task for d in demos], proxy, config,
+                                     harness=create_harness(harness, **harness_options))
+        for group_id, (demo, replies) in enumerate(zip(demos, scripts, strict=True)):
             await _force(http, engine_url, replies)
             started = time.monotonic()
-            outcome = await scheduler.run_rollout(task, group_id, 0)
+            outcome = await scheduler.run_rollout(demo.task, group_id, 0)
             path = None
             if outcome.trace is not None:
-                outcome.trace.metadata.update({"reward": outcome.reward, "task": task.name, "teacher": harness})
-                path = f"traces/{trace_name(task)}"
+                outcome.trace.metadata.update({"reward": outcome.reward, "task": demo.task.name, "teacher": harness,
+                                               "demo": demo.name})
+                path = f"traces/{demo.name}.json"
                 outcome.trace.save(out / path)
             record = TeacherRollout(
-                task=task.name, reward=outcome.reward, turns=len(outcome.trace.turns) if outcome.trace else 0,
+                task=demo.task.name, demo=demo.name, reward=outcome.reward,
+                turns=len(outcome.trace.turns) if outcome.trace else 0,
                 unused_replies=await _unused(http, engine_url), error=outcome.error, trace=path,
                 seconds=round(time.monotonic() - started, 2))
             records.append(record)

@@ -59,16 +59,16 @@ class Engine:
 def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
     """The embedded engine in this process, or a client of the running engine at `--engine URL`."""
     from harness_rl import weight_sync as ws
+    from harness_rl.models import model_dir
 
     settings = config.engine
+    path = model_dir(settings.model, seed=config.seed, harness=config.rollouts.harness)
     if settings.engine == "embedded":
         from harness_rl.config import BUILT_MODELS
         from harness_rl.engine import Engine as EmbeddedEngine
         from harness_rl.engine import serve_in_thread
         from harness_rl.engine.engine import DEFAULT_MAX_MODEL_LEN
-        from harness_rl.models import model_dir
 
-        path = model_dir(settings.model, seed=config.seed, harness=config.rollouts.harness)
         engine = EmbeddedEngine.from_pretrained(
             path, seed=config.seed, max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN,
             served_model_name=settings.model if settings.model in BUILT_MODELS else None)
@@ -87,7 +87,7 @@ def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
         kind = "http" if _is_embedded_engine(url) else "nccl"
     syncs: dict[str, Callable[[], WeightSync]] = {
         "http": lambda: ws.HttpEngineSync(url, loop), "nccl": lambda: ws.VllmNcclSync(url, loop), "none": ws.NoSync}
-    return Engine(url, Path(settings.model), syncs[kind](), lambda: None)
+    return Engine(url, path, syncs[kind](), lambda: None)
 
 
 def _is_embedded_engine(url: str) -> bool:

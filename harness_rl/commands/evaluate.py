@@ -65,6 +65,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl eval: stopped: {exc}", file=sys.stderr)
         return 1
     print(table(report))
+    if config.baseline is not None:
+        import msgspec
+
+        from harness_rl.config import baseline_file
+        from harness_rl.evaluate import EvalReport, comparison
+
+        before = msgspec.json.decode(baseline_file(config.baseline).read_bytes(), type=EvalReport)
+        print(f"\nbefore: {before.model} ({before.output_dir}); after: {report.model}")
+        print(comparison(before, report))
     print(f"eval: {sum(s.samples for s in report.splits)} rollouts in {report.duration_s:.0f}s "
           f"(load average {' '.join(f'{v:.2f}' for v in report.load_average)}); outputs in {report.output_dir}")
     return 0
