@@ -203,11 +203,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16},
         "learner": {"learning_rate": 1e-2, "max_steps": 40},
     },
+    # Measured on a loaded 2-core box (README, "The agent demo"): every rollout starts mini-swe-agent (about
+    # 5 CPU-seconds, most of it importing litellm), so a step is 2 tasks x 4 rollouts and the run is short.
     "agent": {
         "engine": {"model": "tiny-agent"},
         "rollouts": {"harness": "mini-swe-agent", "tasks": str(AGENT_TASKS / "train"), "max_tokens_per_turn": 64,
-                     "num_generations": 8, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
-        "learner": {"learning_rate": 1e-3, "max_steps": 30},
+                     "num_generations": 4, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
+        "learner": {"learning_rate": 1e-3, "max_steps": 10, "groups_per_step": 2,
+                    "loss": {"normalization": "rollout"}},
     },
 }
 PRESET_FOR_MODEL: dict[str, Preset] = {"tiny": "demo", "tiny-agent": "agent"}
