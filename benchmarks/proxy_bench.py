@@ -16,6 +16,9 @@ collection. Figures printed:
   64 agents      p50/p99 latency, 64 agents with 500 ms think time between turns, and what is added
   collector      gen-2 collections and the longest collector pause (wall, and the collector's own CPU)
   echo           bytes the agent receives per answer, and whether capture fields leak to it
+  splice         an agent that sends its own replies back (a conversation growing to 400 turns), through
+                 our proxy with token in/token out on and off, interleaved: what splicing adds per turn,
+                 early and late, and the proxy CPU per turn in each mode
 
 Run: `.venv/bin/python benchmarks/proxy_bench.py` (about three minutes on a 2-core machine; other load on
 the machine moves the latency figures, the CPU-per-request figures much less).
@@ -240,6 +243,31 @@ async def thinking_agents(target: Target, agents: int, think_s: float, seconds: 
         return latencies
 
 
+async def splicing(targets: list[Target], turns: int) -> dict[str, dict[str, float]]:
+    """One agent per target sending its own replies back, the conversation growing every turn; targets
+    interleaved turn by turn. Per target: mean latency and proxy CPU of turns 1-50 and the last 50."""
+    async with client() as http:
+        sessions = [await target.session(http) for target in targets]
+        conversations: list[list[dict]] = [[{"role": "system", "content": "You are a careful coding agent. " * 60},
+                                            {"role": "user", "content": "Fix the failing test."}] for _ in targets]
+        latencies: list[list[float]] = [[] for _ in targets]
+        cpu: list[list[float]] = [[] for _ in targets]
+        for turn in range(turns):
+            for k, (url, headers) in enumerate(sessions):
+                before = cpu_s(targets[k].process.pid) if targets[k].process else 0.0
+                body = json.dumps({"model": "policy", "messages": conversations[k], "tools": TOOLS}).encode()
+                latency, data = await post(http, url, headers, body)
+                cpu[k].append((cpu_s(targets[k].process.pid) if targets[k].process else 0.0) - before)
+                latencies[k].append(latency)
+                reply = json.loads(data)["choices"][0]["message"]
+                conversations[k] += [{key: reply[key] for key in ("role", "content", "tool_calls") if key in reply},
+                                     {"role": "user", "content": f"Result of step {turn}: " + "ok " * 40}]
+    return {t.name: {"first50": statistics.median(latencies[k][:50]), "last50": statistics.median(latencies[k][-50:]),
+                     "cpu_first50": statistics.fmean(cpu[k][:50]), "cpu_last50": statistics.fmean(cpu[k][-50:]),
+                     "slope_per_100": statistics.linear_regression(range(turns), latencies[k]).slope * 100}
+            for k, t in enumerate(targets)}
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -278,11 +306,11 @@ def start_openenv(engine: str, work: Path) -> Target:
     return Target("OpenEnv capture proxy", process, url, "openenv", gc_stats=stats)
 
 
-def start_ours(engine: str, work: Path) -> Target:
+def start_ours(engine: str, work: Path, *flags: str) -> Target:
     stats = work / f"ours-gc-{time.monotonic_ns()}.json"
     process = subprocess.Popen(
         [PYTHON, "-c", GC_WRAPPER, "harness_rl.cli", "serve", "proxy", "--upstream", engine, "--port", "0",
-         "--store", str(work / "store")],
+         "--store", str(work / "store"), *flags],
         env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
         stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
     url = process.stdout.readline().decode().split()[3]
@@ -362,6 +390,12 @@ def main() -> None:
             r["gen2"] = sum(1 for g, _, _ in pauses[name] if g == 2)
             r["max_pause"] = max((wall for _, wall, _ in pauses[name]), default=0.0)
             r["max_pause_cpu"] = max((cpu for _, _, cpu in pauses[name]), default=0.0)
+        spliced = start_ours(engine, work)
+        rendered = start_ours(engine, work, "--no-tito")
+        rendered.name = "harness-rl proxy, --no-tito"
+        splice = asyncio.run(splicing([spliced, rendered], args.turns))
+        stop(spliced, time.time())
+        stop(rendered, time.time())
     prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
     engine_process.terminate()
 
@@ -400,6 +434,13 @@ def main() -> None:
         print(f"{label:28}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
     for name in names:
         print(f"capture fields the agent receives via {name}: {', '.join(results[name]['leaked']) or 'none'}")
+    on, off = splice["harness-rl proxy"], splice["harness-rl proxy, --no-tito"]
+    print(f"\nsplice: an agent sending its own replies back, {args.turns} turns, token in/out on vs off, interleaved")
+    print(f"{'':28}{'on (spliced)':>16}{'off (rendered)':>16}{'added':>12}")
+    for label, key in (("p50 latency, turns 1-50", "first50"), ("p50 latency, last 50", "last50"),
+                       ("proxy CPU, turns 1-50", "cpu_first50"), ("proxy CPU, last 50", "cpu_last50"),
+                       ("latency growth per 100", "slope_per_100")):
+        print(f"{label:28}{ms(on[key]):>16}{ms(off[key]):>16}{ms(on[key] - off[key]):>12}")
     ours, theirs = results["harness-rl proxy"], results["OpenEnv capture proxy"]
     print("\nratios (OpenEnv / ours): added p50 "
           f"{(theirs['p50_alone'] - direct['p50_alone']) / max(ours['p50_alone'] - direct['p50_alone'], 1e-9):.1f}x, "

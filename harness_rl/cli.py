@@ -9,7 +9,19 @@ import sys
 from typing import NoReturn
 
 from harness_rl import __version__
-from harness_rl.commands import build_model, evaluate, harnesses, serve_engine, serve_proxy, sft, traces, train, view
+from harness_rl.commands import (
+    build_model,
+    doctor,
+    evaluate,
+    harnesses,
+    serve_engine,
+    serve_proxy,
+    serve_vllm,
+    sft,
+    traces,
+    train,
+    view,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -27,10 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"harness-rl {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    serve = commands.add_parser("serve", help="run a server (the intercept proxy or the embedded engine)")
+    serve = commands.add_parser("serve", help="run a server (the intercept proxy, the embedded engine, or real vLLM)")
     servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
     serve_proxy.register(servers)
     serve_engine.register(servers)
+    serve_vllm.register(servers)
 
     train.register(commands)
     traces.register(commands)
@@ -39,11 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     build_model.register(commands)
     harnesses.register(commands)
     view.register(commands)
+    doctor.register(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run a command; arguments after `--` pass through to commands that take them (`serve vllm`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(ours)
+    if passthrough and not hasattr(args, "passthrough"):
+        parser.error(f"unrecognized arguments: -- {' '.join(passthrough)}")
+    if hasattr(args, "passthrough"):
+        args.passthrough = passthrough
     return int(args.run(args) or 0)
 
 

@@ -33,8 +33,8 @@ AGENT_TASKS = EXAMPLES / "agent-tasks"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 Preset = Literal["demo", "agent", "real"]
 StructT = TypeVar("StructT", bound=msgspec.Struct)
-# Models harness-rl builds offline, by name (served by the embedded engine only): the random tiny model,
-# and the tiny model warm-started on teacher traces of mini-swe-agent (`harness_rl.tiny_agent`).
+# Models harness-rl builds offline, by name (served by the embedded engine or a vLLM started for the run): the
+# random tiny model, and the tiny model warm-started on teacher traces of mini-swe-agent (`harness_rl.tiny_agent`).
 BUILT_MODELS = ("tiny", "tiny-agent")
 # mini-swe-agent puts the machine's uname in its prompt; the agent demo pins it, so the prompts the
 # tiny-agent learned from are the same on every machine (the cache is portable).
@@ -54,13 +54,18 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    engine: Annotated[str, setting("embedded (this process, CPU or GPU), or the URL of a running engine "
-                                   "(vLLM or `harness-rl serve engine`)")] = "embedded"
+    engine: Annotated[str, setting("embedded (this process, CPU or GPU), vllm (started for the run, as "
+                                   "`harness-rl serve vllm` does), or the URL of a running engine")] = "embedded"
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves")] = ""
-    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "none"], setting(
-        "how new weights reach the engine; auto: in-process for embedded, http for a harness-rl engine, "
-        "nccl for vLLM")] = "auto"
+    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "none"], setting(
+        "how new weights reach the engine; auto: in-process for embedded, http for a harness-rl engine, nccl "
+        "for vLLM on CUDA, reload (safetensors on disk, vLLM's reload_weights) for vLLM without CUDA")] = "auto"
+    sync_dir: Annotated[str | None, setting("where --weight-sync reload writes the weights (a local disk, "
+                                            "/dev/shm is fastest); none: RUN/weights")] = None
+    vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
+                                               "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
+    vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
     max_model_len: Annotated[AtLeastOne | None, setting("context length of the embedded engine; none: the "
                                                         "model's own (at most 65536)")] = None
 
@@ -394,13 +399,20 @@ def _check_engine(config: RunConfig) -> None:
     from harness_rl.models import run_model
 
     engine, model = config.engine.engine, config.engine.model
-    embedded = engine == "embedded"
-    if not embedded and not re.match(r"^https?://[^/\s]+", engine):
-        raise ConfigError("--engine", f"{engine!r} is neither 'embedded' nor an http(s) URL of a running engine")
+    embedded, vllm = engine == "embedded", engine == "vllm"
+    if not embedded and not vllm and not re.match(r"^https?://[^/\s]+", engine):
+        raise ConfigError("--engine", f"{engine!r} is neither embedded, vllm nor an http(s) URL of a running engine")
     if not model:
         raise ConfigError("--model", "required: tiny, a local model directory, or the hub id the engine serves")
+    if vllm:
+        from harness_rl.vllm_server import VllmSetupError, find_vllm_python
+
+        try:
+            find_vllm_python(config.engine.vllm_python)
+        except VllmSetupError as exc:
+            raise ConfigError("--engine", f"vllm: {exc}") from None
     if model in BUILT_MODELS:
-        if not embedded:
+        if not embedded and not vllm:
             raise ConfigError("--model", "with --engine URL, name the weights that engine serves (a local directory "
                                          "or hub id) so the learner trains the same model")
     elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
@@ -410,7 +422,8 @@ def _check_engine(config: RunConfig) -> None:
         if embedded or not HUB_ID.match(model):
             where = "a local model directory" if embedded else "a local model directory or a hub id (org/name)"
             raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
-    allowed = ("auto", "inprocess", "none") if embedded else ("auto", "http", "nccl", "none")
+    allowed = ("auto", "inprocess", "none") if embedded else ("auto", "nccl", "reload", "none") if vllm else (
+        "auto", "http", "nccl", "reload", "none")
     if config.engine.weight_sync not in allowed:
         raise ConfigError("--weight-sync", f"{config.engine.weight_sync!r} does not fit --engine {engine}; use one "
                                            f"of {', '.join(allowed)}")

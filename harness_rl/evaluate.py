@@ -138,7 +138,7 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
     from harness_rl.background import BackgroundLoop
     from harness_rl.rollouts import RolloutScheduler
     from harness_rl.run_files import RunFiles
-    from harness_rl.train import start_engine
+    from harness_rl.train import _vocab_size, start_engine
     from proxy.client import ProxyClient
     from proxy.server import start_proxy
 
@@ -153,11 +153,12 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
     loop = BackgroundLoop("harness-rl-eval")
     closers: list[Callable[[], None]] = []
     try:
-        engine = start_engine(config.run_config(), loop)
-        closers.append(engine.close)
         output_dir.mkdir(parents=True, exist_ok=True)
+        engine = start_engine(config.run_config(), loop, output_dir)
+        closers.append(engine.close)
         proxy = loop.run(start_proxy(msgspec.structs.replace(
-            config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"))), timeout=120)
+            config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
+            vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))), timeout=120)
         closers.append(lambda: loop.run(proxy.stop(), timeout=60))
         client = ProxyClient(proxy.url, proxy.admin_token)
         closers.append(lambda: loop.run(client.close(), timeout=30))

@@ -33,7 +33,9 @@ from harness_rl.grpo import Mismatch, grpo_loss
 from harness_rl.metrics import MetricsLogger
 from harness_rl.outcome import RolloutGroup
 from harness_rl.packing import fill_fraction, pack, packed_logprobs
+from harness_rl.rows import Row
 from harness_rl.samples import build_samples
+from harness_rl.sync_check import PROMPT_TOKENS, SyncCheck, score
 from harness_rl.weight_sync import NoSync, WeightSync, WeightSyncError
 
 
@@ -42,9 +44,10 @@ class Learner:
 
     def __init__(self, model_dir: str | Path, config: LearnerConfig | None = None, *, temperature: float = 1.0,
                  seed: int = 0, weight_sync: WeightSync | None = None, output_dir: str | Path | None = None,
-                 metrics: MetricsLogger | None = None, save_total_limit: int | None = None) -> None:
+                 metrics: MetricsLogger | None = None, save_total_limit: int | None = None,
+                 sync_check: SyncCheck | None = None) -> None:
         """`temperature` is the one the proxy pins for sampling: logprobs are compared at it; checkpoints go to
-        `output_dir/checkpoints`, the newest `save_total_limit` kept."""
+        `output_dir/checkpoints`, the newest `save_total_limit` kept; `sync_check` verifies every sync."""
         from transformers import AutoModelForCausalLM
 
         self.config = config = config or LearnerConfig()
@@ -72,6 +75,7 @@ class Learner:
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.weight_sync = weight_sync or NoSync()
+        self.sync_check = sync_check
         self.metrics = metrics or MetricsLogger(self.output_dir)
         self.step_count = 0
         self.policy_version = 0
@@ -133,6 +137,8 @@ class Learner:
             sync_started = time.perf_counter()
             self._sync_or_tolerate()
             sync_s = time.perf_counter() - sync_started
+            if not self.sync_failures:
+                metrics.update(self._check_sync(samples[0].row))
         step_s = time.perf_counter() - started
         forwarded = sum(b.n_tokens for b in batches)
         trained = sums["tokens"]
@@ -160,6 +166,18 @@ class Learner:
         })
         self.metrics.log(self.step_count, metrics)
         return metrics
+
+    def _check_sync(self, row: Row) -> dict[str, float]:
+        """The engine's logprobs against ours for a few tokens it samples after this row's prompt (see
+        `sync_check`): at equal weights, float rounding."""
+        if self.sync_check is None:
+            return {}
+        prompt = (row.tokens[:row.mask.index(1)] if 1 in row.mask else row.tokens)[-PROMPT_TOKENS:]
+        ids, logps = self.sync_check.sample(prompt)
+        with self._autocast():
+            mismatch = score(self.model, [(prompt, ids, logps)], self.temperature)
+        return {"sync/logp_difference_max": mismatch.abs_diff_max,
+                "sync/mismatch_kl": mismatch.kl_sum / max(mismatch.tokens, 1)}
 
     def sync_weights(self) -> None:
         """Push the current weights and version to the engine (also after `load`, to a fresh engine)."""
@@ -200,6 +218,8 @@ class Learner:
     def close(self) -> None:
         self.metrics.close()
         self.weight_sync.close()
+        if self.sync_check is not None:
+            self.sync_check.close()
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -25,7 +25,9 @@ CONSOLE_KEYS = (
     ("loss", "loss", "{:.4f}"), ("reward", "reward", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
     ("learning_rate", "lr", "{:.2e}"), ("kl", "kl", "{:.4f}"), ("entropy", "ent", "{:.3f}"),
     ("clip_ratio/region_mean", "clip", "{:.3f}"), ("sample/staleness_mean", "stale", "{:.2f}"),
-    ("batch/trained_tokens_per_step", "tok", "{:.0f}"), ("perf/step_s", "s", "{:.2f}"),
+    ("batch/trained_tokens_per_step", "tok", "{:.0f}"),
+    ("sampling/sampling_logp_difference/max", "mismatch", "{:.1e}"),
+    ("sync/logp_difference_max", "sync Δ", "{:.1e}"), ("perf/step_s", "s", "{:.2f}"),
 )
 
 

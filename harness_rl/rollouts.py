@@ -161,7 +161,8 @@ class RolloutScheduler:
                 await sandbox.allow(session.openai_base_url)
                 await sandbox.allow(session.anthropic_base_url)
                 seed = rollout_seed(self.seed, task.name, index) if self.seed is not None else None
-                endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key, seed=seed)
+                endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key,
+                                    gemini_base_url=session.gemini_base_url, seed=seed)
                 run = await self.harness.run(sandbox, endpoint, task.instruction, self._agent_timeout(task))
                 await self.proxy.close_session(session.id)
                 closed, session = session, None

@@ -51,11 +51,11 @@ class Row:
 
     def add_completion(self, turn: Turn) -> None:
         mask = completion_mask(turn)
-        version = NO_VERSION if turn.policy_version is None else turn.policy_version
         self.tokens.extend(turn.completion_token_ids)
         self.mask.extend(mask)
         self.logprobs.extend(lp if m else 0.0 for lp, m in zip(turn.per_token_logps, mask, strict=True))
-        self.versions.extend(version if m else NO_VERSION for m in mask)
+        self.versions.extend(NO_VERSION if not m or v is None else v
+                             for v, m in zip(turn.token_versions, mask, strict=True))
         self.node_ids.append(turn.node_id)
 
     def trim_context_tail(self) -> None:

@@ -98,6 +98,18 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncation: str | None = None  # how truncating knobs were treated: neutralise | reject
 
 
+class VersionSpan(msgspec.Struct, kw_only=True, frozen=True):
+    """Completion tokens `[start, end)` were sampled by weights of policy `version`.
+
+    A completion that straddled a weight update (the engine paused it, loaded new weights, resumed)
+    has several; the learner treats each token with its own version.
+    """
+
+    version: int
+    start: int
+    end: int
+
+
 class PrefixBreak(msgspec.Struct, kw_only=True, frozen=True):
     """Why a turn that shares messages with an earlier one could not continue its token ids.
 
@@ -120,7 +132,8 @@ class Turn(msgspec.Struct, kw_only=True):
     completion_token_ids: list[int]
     per_token_logps: list[float]
     loss_mask: list[int]
-    policy_version: int | None = None
+    policy_version: int | None = None  # the version that sampled the first completion token
+    version_spans: list[VersionSpan] = []  # when several versions sampled the completion; else empty
     finish_reason: str | None = None
     prompt_source: PromptSource | None = None
     prefix_break: PrefixBreak | None = None
@@ -140,6 +153,16 @@ class Turn(msgspec.Struct, kw_only=True):
     @property
     def completion_mask(self) -> list[int]:
         return self.loss_mask[len(self.prompt_token_ids):]
+
+    @property
+    def token_versions(self) -> list[int | None]:
+        """The policy version that sampled each completion token."""
+        if not self.version_spans:
+            return [self.policy_version] * len(self.completion_token_ids)
+        out: list[int | None] = [None] * len(self.completion_token_ids)
+        for span in self.version_spans:
+            out[span.start:span.end] = [span.version] * (span.end - span.start)
+        return out
 
 
 class Violation(msgspec.Struct, frozen=True):
@@ -304,6 +327,23 @@ def _check_mask(index: int, turn: Turn, out: list[Violation]) -> None:
                              index, turn.node_id, n_prompt + pos))
 
 
+def _check_spans(index: int, turn: Turn, out: list[Violation]) -> None:
+    """Version spans, when present, cover the completion in order, each a version >= 0."""
+    spans = turn.version_spans
+    if not spans:
+        return
+    at = 0
+    for span in spans:
+        if type(span.version) is not int or span.version < 0 or span.start != at or span.end <= span.start:
+            out.append(Violation(INVALID_POLICY_VERSION, f"version span {span.version}:[{span.start}, {span.end}) "
+                                 f"does not continue at token {at} with a version >= 0", index, turn.node_id))
+            return
+        at = span.end
+    if at != len(turn.completion_token_ids):
+        out.append(Violation(INVALID_POLICY_VERSION, f"version spans cover {at} of "
+                             f"{len(turn.completion_token_ids)} completion tokens", index, turn.node_id))
+
+
 def _check_sampling(index: int, turn: Turn, out: list[Violation]) -> None:
     """The recorded sampling must describe a real distribution and a completion that fits it."""
     sampling = turn.sampling
@@ -331,6 +371,7 @@ def _check_turn(index: int, turn: Turn, checked_prefix: int, out: list[Violation
     if turn.policy_version is not None and (type(turn.policy_version) is not int or turn.policy_version < 0):
         out.append(Violation(INVALID_POLICY_VERSION, f"policy_version {turn.policy_version!r} is not an "
                              "int >= 0", index, turn.node_id))
+    _check_spans(index, turn, out)
     if not turn.prompt_token_ids:
         out.append(Violation(NO_PROMPT_IDS, "prompt_token_ids is empty", index, turn.node_id))
     bad = _bad_int_index(turn.prompt_token_ids[checked_prefix:])
@@ -440,6 +481,7 @@ class StoredTurn(msgspec.Struct, tag="turn", tag_field="kind", kw_only=True, omi
     completion_mask: list[int] | None = None
     prompt_mask: list[int] | None = None
     policy_version: int | None = None
+    version_spans: list[VersionSpan] = []
     finish_reason: str | None = None
     prompt_source: PromptSource | None = None
     prefix_break: PrefixBreak | None = None
@@ -484,7 +526,8 @@ def store_turn(turn: Turn, base: Turn | None) -> StoredTurn:
                                             or completion_mask.count(implied) != len(completion_mask)
                                             or not set(map(type, completion_mask)) <= {int}) else None,
         prompt_mask=prompt_mask if (len(prompt_mask) != n_prompt or any(prompt_mask)) else None,
-        policy_version=turn.policy_version, finish_reason=turn.finish_reason, prompt_source=turn.prompt_source,
+        policy_version=turn.policy_version, version_spans=turn.version_spans, finish_reason=turn.finish_reason,
+        prompt_source=turn.prompt_source,
         prefix_break=turn.prefix_break, delivered=turn.delivered, messages_prefix=prefix,
         messages=messages[prefix:] if messages is not None else None,
         tools=None if tools_inherited else turn.request.tools, tools_inherited=tools_inherited,
@@ -545,7 +588,7 @@ def _rebuild(index: int, st: StoredTurn, base: Turn | None) -> Turn:
     return Turn(
         node_id=st.node_id, parent_id=st.parent_id, role=st.role or "agent",  # type: ignore[arg-type]
         prompt_token_ids=prompt, completion_token_ids=completion, per_token_logps=st.per_token_logps,
-        loss_mask=prompt_mask + completion_mask, policy_version=st.policy_version,
+        loss_mask=prompt_mask + completion_mask, policy_version=st.policy_version, version_spans=st.version_spans,
         finish_reason=st.finish_reason, prompt_source=st.prompt_source, prefix_break=st.prefix_break,
         delivered=st.delivered, request=Request(messages=messages, tools=tools), reply=st.reply,
         sampling=st.sampling, metadata=st.metadata, started_at=st.started_at, finished_at=st.finished_at,
@@ -618,6 +661,7 @@ class _HarnessRlExtra(msgspec.Struct, kw_only=True, omit_defaults=True):
     parent_id: str | None = None
     role: str = "agent"
     policy_version: int | None = None
+    version_spans: list[VersionSpan] = []
     finish_reason: str | None = None
     prompt_source: PromptSource | None = None
     prefix_break: PrefixBreak | None = None
@@ -664,6 +708,7 @@ def to_openenv(trace: TrainingTrace) -> dict[str, Any]:
     for turn in trace.turns:
         extra = _HarnessRlExtra(
             rollout_id=trace.rollout_id, parent_id=turn.parent_id, role=turn.role, policy_version=turn.policy_version,
+            version_spans=turn.version_spans,
             finish_reason=turn.finish_reason, prompt_source=turn.prompt_source, prefix_break=turn.prefix_break,
             delivered=turn.delivered, sampling=turn.sampling, started_at=turn.started_at,
             finished_at=turn.finished_at)
@@ -730,6 +775,7 @@ def from_openenv(data: dict[str, Any], rollout_id: str = OPENENV_DEFAULT_ID) -> 
             prompt_token_ids=list(raw["prompt_token_ids"]),
             completion_token_ids=list(raw["completion_token_ids"]),
             per_token_logps=list(raw["per_token_logps"]), loss_mask=mask, policy_version=extra.policy_version,
+            version_spans=extra.version_spans,
             finish_reason=finish, prompt_source=extra.prompt_source, prefix_break=extra.prefix_break,
             delivered=extra.delivered, request=request, reply=reply, sampling=sampling, metadata=metadata,
             started_at=extra.started_at, finished_at=extra.finished_at,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
 import sys
 import time
@@ -56,12 +57,14 @@ class Engine:
     close: Callable[[], None]
 
 
-def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
-    """The embedded engine in this process, or a client of the running engine at `--engine URL`."""
+def start_engine(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engine:
+    """The embedded engine in this process, vLLM started as a child, or a client of the engine at `--engine URL`."""
     from harness_rl import weight_sync as ws
     from harness_rl.models import model_dir
 
     settings = config.engine
+    if settings.engine == "vllm":
+        return _start_vllm(config, loop, run_dir)
     path = model_dir(settings.model, seed=config.seed, harness=config.rollouts.harness)
     if settings.engine == "embedded":
         from harness_rl.config import BUILT_MODELS
@@ -85,9 +88,73 @@ def start_engine(config: RunConfig, loop: BackgroundLoop) -> Engine:
     kind = settings.weight_sync
     if kind == "auto":
         kind = "http" if _is_embedded_engine(url) else "nccl"
-    syncs: dict[str, Callable[[], WeightSync]] = {
-        "http": lambda: ws.HttpEngineSync(url, loop), "nccl": lambda: ws.VllmNcclSync(url, loop), "none": ws.NoSync}
-    return Engine(url, path, syncs[kind](), lambda: None)
+    _require_exact_capture(url, kind)
+    return Engine(url, path, _sync(kind, url, loop, config, run_dir, path), lambda: None)
+
+
+def _require_exact_capture(url: str, weight_sync: str) -> None:
+    """Refuse an engine that would record wrong tokens or logprobs, naming each flag it lacks (`harness-rl doctor`)."""
+    from harness_rl.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
+
+    try:
+        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=weight_sync)
+    except EngineNotExact as exc:
+        raise RunStopped(str(exc)) from None
+
+
+def _sync(kind: str, url: str, loop: BackgroundLoop, config: RunConfig, run_dir: Path, model_dir: Path) -> WeightSync:
+    """The weight-sync backend `kind` for the engine at `url`."""
+    from harness_rl import weight_sync as ws
+
+    if kind == "http":
+        return ws.HttpEngineSync(url, loop)
+    if kind == "nccl":
+        return ws.VllmNcclSync(url, loop)
+    if kind == "reload":
+        sync_dir = Path(config.engine.sync_dir) if config.engine.sync_dir else run_dir / "weights"
+        return ws.ReloadSync(url, loop, sync_dir, restore_dir=model_dir if model_dir.is_dir() else None)
+    return ws.NoSync()
+
+
+def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engine:
+    """vLLM as a child for the run, with the flags exact capture needs (`harness-rl serve vllm`'s)."""
+    import shlex
+
+    from harness_rl import vllm_server as vs
+    from harness_rl.config import BUILT_MODELS
+    from harness_rl.models import model_dir as resolve_model
+    from harness_rl.weight_sync import free_port
+
+    settings = config.engine
+    model_dir = resolve_model(settings.model, seed=config.seed, harness=config.rollouts.harness)
+    python = vs.find_vllm_python(settings.vllm_python)
+    cuda = vs.has_cuda(python)
+    launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(),
+                            served_model_name=settings.model if settings.model in BUILT_MODELS else None,
+                            extra_args=shlex.split(settings.vllm_args))
+    print(f"harness-rl train: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
+    server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
+    kind = settings.weight_sync if settings.weight_sync != "auto" else "nccl" if cuda else "reload"
+    try:
+        _require_exact_capture(server.url, kind)
+        sync = _sync(kind, server.url, loop, config, run_dir, model_dir)
+    except BaseException:
+        server.stop()
+        raise
+    return Engine(server.url, model_dir, sync, server.stop)
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    """The model's vocabulary (its embedding rows), so the proxy refuses ids no engine serving it can sample;
+    vLLM's `/v1/models` does not say it."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _is_embedded_engine(url: str) -> bool:
@@ -200,7 +267,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
     from harness_rl.metrics import MetricsLogger
     from harness_rl.rollouts import RolloutScheduler
     from harness_rl.run_files import RunFiles
-    from harness_rl.weight_sync import ProxyGate
+    from harness_rl.sync_check import SyncCheck
+    from harness_rl.weight_sync import NoSync, ProxyGate
     from proxy.client import ProxyClient
     from proxy.server import start_proxy
 
@@ -210,24 +278,31 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
     loop = BackgroundLoop("harness-rl-rollouts")
     engine: Engine | None = None
     proxy: RunningProxy | None = None
+    created = not output_dir.exists()
     try:
-        engine = start_engine(config, loop)
         output_dir.mkdir(parents=True, exist_ok=True)
+        engine = start_engine(config, loop, output_dir)
         (output_dir / "config.toml").write_text(to_toml(config))
-        proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"))
+        proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
+                                               vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))
         proxy = loop.run(start_proxy(proxy_config), timeout=120)
         client = ProxyClient(proxy.url, proxy.admin_token)
-        learner = Learner(engine.model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
+        temperature = config.proxy.sampling.temperature or 1.0
+        learner = Learner(engine.model_dir, config.learner, temperature=temperature,
                           seed=config.seed, weight_sync=ProxyGate(engine.sync, client, loop), output_dir=output_dir,
                           metrics=MetricsLogger(output_dir, console=False,
                                                 report_to=f"jsonl,{config.output.report_to}"),
-                          save_total_limit=config.output.save_total_limit)
+                          save_total_limit=config.output.save_total_limit,
+                          sync_check=None if isinstance(engine.sync, NoSync) else SyncCheck(engine.url, loop,
+                                                                                            temperature))
         scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:
             state = learner.load(checkpoint)
             scheduler.load_state_dict(state.get("scheduler", {}))
-            learner.sync_weights()
+        # The engine may still hold another run's weights (a vLLM kept between runs): it starts on ours, stamped
+        # with our version, so nothing is sampled by weights the learner never had.
+        learner.sync_weights()
         return Run(config, output_dir, loop, engine, proxy, client, scheduler, learner,
                    RunFiles(output_dir, scheduler.harness.name), AutoTokenizer.from_pretrained(engine.model_dir))
     except BaseException:
@@ -237,6 +312,8 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         if engine is not None:
             engine.close()
         loop.close()
+        if created:  # a run that never started leaves no half-made folder behind
+            shutil.rmtree(output_dir, ignore_errors=True)
         raise
 
 

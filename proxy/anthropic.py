@@ -1,4 +1,5 @@
-"""Anthropic Messages: the body decoded into a `ChatCall`, the `Answer` rendered as a Message or its SSE events.
+"""Anthropic Messages: the body decoded into a `ChatCall`, the `Answer` rendered as a Message
+(its SSE events: `proxy.anthropic_stream`).
 
 The engine has no token capture on its own Messages route (reference/vllm.md §7), so the proxy
 terminates the dialect itself: system blocks become one system message (Claude Code's per-request
@@ -239,12 +240,16 @@ def tool_use_id(call: ToolCall) -> str:
     return call.id if call.id.startswith(TOOL_USE_PREFIX) else TOOL_USE_PREFIX + call.id
 
 
-def _tool_input(arguments: str) -> Any:
+def tool_input(arguments: str) -> Any:
     try:
         value = json.loads(arguments) if arguments else {}
     except json.JSONDecodeError:
         return {"raw_arguments": arguments}
     return value if isinstance(value, dict) else {"value": value}
+
+
+def stop_reason(answer: Answer) -> str:
+    return "tool_use" if answer.reply.tool_calls else STOP_REASONS.get(answer.finish_reason, "end_turn")
 
 
 def message_dict(answer: Answer) -> dict[str, Any]:
@@ -257,49 +262,12 @@ def message_dict(answer: Answer) -> dict[str, Any]:
         blocks.append({"type": "text", "text": reply.content})
     for call in reply.tool_calls:
         blocks.append({"type": "tool_use", "id": tool_use_id(call), "name": call.name,
-                       "input": _tool_input(call.arguments)})
-    stop_reason = "tool_use" if reply.tool_calls else STOP_REASONS.get(answer.finish_reason, "end_turn")
+                       "input": tool_input(call.arguments)})
     return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "model": answer.model,
-            "content": blocks, "stop_reason": stop_reason, "stop_sequence": None,
+            "content": blocks, "stop_reason": stop_reason(answer), "stop_sequence": None,
             "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
 
 
 def message(answer: Answer) -> bytes:
     return _ENCODER.encode(message_dict(answer))
-
-
-def sse_events(answer: Answer) -> bytes:
-    """The Messages streaming event sequence for a finished message."""
-    message = message_dict(answer)
-    out: list[bytes] = []
-
-    def event(name: str, data: dict[str, Any]) -> None:
-        out.append(b"event: " + name.encode() + b"\ndata: " + _ENCODER.encode(data) + b"\n\n")
-
-    usage = message["usage"]
-    event("message_start", {"type": "message_start", "message": {
-        **message, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {**usage, "output_tokens": 0}}})
-    event("ping", {"type": "ping"})
-    for index, block in enumerate(message["content"]):
-        kind = block["type"]
-        if kind == "thinking":
-            start: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
-            deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                      {"type": "signature_delta", "signature": block["signature"]}]
-        elif kind == "text":
-            start = {"type": "text", "text": ""}
-            deltas = [{"type": "text_delta", "text": block["text"]}]
-        else:
-            start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-            deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]
-        event("content_block_start", {"type": "content_block_start", "index": index, "content_block": start})
-        for delta in deltas:
-            event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-        event("content_block_stop", {"type": "content_block_stop", "index": index})
-    event("message_delta", {"type": "message_delta",
-                            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                            "usage": {"output_tokens": usage["output_tokens"]}})
-    event("message_stop", {"type": "message_stop"})
-    return b"".join(out)

@@ -16,6 +16,7 @@ only, so the order in which turns arrived never matters.
 from __future__ import annotations
 
 from bisect import bisect_right, insort
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import msgspec
@@ -67,6 +68,8 @@ class Node:
     completion_len: int
     has_tools: bool
     started_at: float
+    request_key: bytes = b""  # equal for calls with the same messages and tools (retries)
+    tokens: int = 0  # prompt + completion tokens
     arrival: int = 0
     edge: _Edge | None = None
     end: int = 0  # byte offset of the sequence's end inside `edge.seg`
@@ -172,8 +175,14 @@ class CaptureGraph:
             todo.extend((child, start + len(edge.seg), len(depths)) for child in edge.children.values())
         return parents, order
 
-    def roles(self) -> tuple[dict[str, str | None], dict[str, str]]:
-        """Parents and roles: agent, auxiliary (tool-less side paths) or discarded (abandoned retries)."""
+    def roles(self, continued: Collection[str] = ()) -> tuple[dict[str, str | None], dict[str, str]]:
+        """Parents and roles: agent, auxiliary (tool-less side paths) or discarded (abandoned retries).
+
+        A retry is a call whose messages and tools equal an earlier call's. Of a group of retries,
+        the ones the agent went on from (a later turn extends them, or was rendered after their
+        reply: `continued`) stay agent turns; when the agent went on from none, the newest does.
+        A turn the agent continued from is never discarded.
+        """
         parents, order = self.parents()
         nodes = self.nodes
         children: dict[str | None, list[str]] = {}
@@ -190,34 +199,19 @@ class CaptureGraph:
         uses_tools = any(node.has_tools for node in nodes.values())
         roles = {node_id: "agent" if not uses_tools or tools_above[node_id] or tools_below[node_id]
                  else "auxiliary" for node_id in order}
-        for group in self._retry_groups(parents, children):
-            agents = [n for n in group if roles[n] == "agent"]
-            continued = [n for n in agents if n in children]
-            keep = set(continued) if continued else {max(agents, key=lambda n: nodes[n].order)} if agents else set()
-            for node_id in agents:
+        retries: dict[bytes, list[str]] = {}
+        for node_id in order:
+            if roles[node_id] == "agent" and nodes[node_id].request_key:
+                retries.setdefault(nodes[node_id].request_key, []).append(node_id)
+        for group in retries.values():
+            if len(group) < 2:
+                continue
+            went_on = {n for n in group if n in children or n in continued}
+            keep = went_on or {max(group, key=lambda n: nodes[n].order)}
+            for node_id in group:
                 if node_id not in keep:
                     roles[node_id] = "discarded"
         return parents, roles
-
-    def _retry_groups(self, parents: dict[str, str | None],
-                      children: dict[str | None, list[str]]) -> list[list[str]]:
-        """Turns that answer the same point of the conversation: siblings, or roots with one prompt."""
-        groups = [siblings for parent, siblings in children.items() if parent is not None and len(siblings) > 1]
-        by_prompt: dict[tuple[int, int], list[str]] = {}
-        for node_id in children.get(None, ()):
-            by_prompt.setdefault(self._prompt_point(self.nodes[node_id]), []).append(node_id)
-        groups.extend(g for g in by_prompt.values() if len(g) > 1)
-        return groups
-
-    def _prompt_point(self, node: Node) -> tuple[int, int]:
-        """Identity of the tree point where the turn's prompt ends (equal points = equal prompts)."""
-        edge, end, back = node.edge, node.end, node.completion_len
-        while back >= end:
-            back -= end
-            assert edge is not None and edge.parent is not None
-            edge = edge.parent
-            end = len(edge.seg)
-        return (id(edge), end - back)
 
     def _mark(self, edge: _Edge, end: int, node: Node) -> None:
         node.edge, node.end = edge, end

@@ -2,12 +2,13 @@
 
 The neutral form is OpenAI Chat Completions, the language the engine speaks: messages, tools and the
 sampling knobs the agent asked for, decoded once into Structs at the edge. Each dialect module
-(`openai_chat`, `anthropic`) turns its own body into a `ChatCall` and renders the one `Answer` back.
+(`openai_chat`, `anthropic`, `openai_responses`, `gemini`) turns its own body into a `ChatCall` and renders
+the one `Answer` back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -86,11 +87,11 @@ class Knobs(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     max_tokens: int | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None  # a 64-bit signed int, as OpenAI's
     stop: list[str] | None = None
 
 
-Dialect = Literal["openai_chat", "anthropic_messages"]
+Dialect = Literal["openai_chat", "anthropic_messages", "openai_responses", "google_gemini"]
 
 
 class ChatCall(msgspec.Struct, kw_only=True):
@@ -127,6 +128,14 @@ class Answer(msgspec.Struct, kw_only=True):
     logprobs: list[SampledToken] | None = None  # only when the agent asked for them
 
 
+def assistant_message(reply: Reply) -> ChatMessage:
+    """A reply as the assistant message an agent sends back: no content beside tool calls when it was empty."""
+    calls = [MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in reply.tool_calls]
+    content = reply.content if reply.content or not calls else None
+    return ChatMessage(role="assistant", content=content, tool_calls=calls or None, reasoning=reply.reasoning or None)
+
+
 def text_of(content: str | list[ContentPart] | None) -> str:
     """A message's text: the string itself, or its text parts joined (other parts have no text)."""
     if content is None:
@@ -144,6 +153,8 @@ def decode_typed(decoder: msgspec.json.Decoder, data: bytes) -> Any:
         raise ProxyError(400, f"invalid request: {_readable(str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise ProxyError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProxyError(400, "the request's JSON is nested too deeply") from None
 
 
 def _readable(message: str) -> str:

@@ -70,9 +70,9 @@ class ProxyClient:
     async def set_policy_version(self, version: int) -> None:
         await self._call("POST", "/admin/policy_version", PolicyVersion, PolicyVersion(version))
 
-    async def pause(self) -> Paused:
-        """Hold new agent calls; returns once calls already at the engine are recorded."""
-        return await self._call("POST", "/admin/pause", Paused)
+    async def pause(self, drain: bool = True) -> Paused:
+        """Hold new agent calls; returns once calls already at the engine are recorded (or at once, undrained)."""
+        return await self._call("POST", "/admin/pause" + ("" if drain else "?drain=false"), Paused)
 
     async def resume(self) -> None:
         await self._call("POST", "/admin/resume", Paused)

@@ -51,13 +51,34 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                 internal=True)] = None
     sampling: SamplingPolicy = msgspec.field(default_factory=SamplingPolicy)
     max_body_mb: Annotated[Positive, _meta("largest agent request body, MB")] = 64.0
-    request_timeout_s: Annotated[Positive, _meta("engine request timeout, seconds")] = 600.0
-    retries: Annotated[AtLeastZero, _meta("engine retries on 429/5xx and lost connections")] = 3
+    max_reply_mb: Annotated[Positive, _meta("largest engine reply read, MB; a bigger one fails the call (502)")] = 64.0
+    request_timeout_s: Annotated[Positive, _meta("deadline of one agent call at the engine, retries and their waits "
+                                                 "included, seconds")] = 600.0
+    retries: Annotated[AtLeastZero, _meta("engine retries on 429/5xx and lost connections, within the deadline")] = 3
+    header_timeout_s: Annotated[Positive, _meta("a client must send a request's line and headers within this many "
+                                                "seconds of connecting or of its previous answer, else its "
+                                                "connection is closed")] = 30.0
+    body_timeout_s: Annotated[Positive, _meta("a request body must arrive within this many seconds (else 408, "
+                                              "connection closed)")] = 60.0
+    max_connections: Annotated[AtLeastOne, _meta("open client connections in all; requests on any beyond are "
+                                                 "answered 503")] = 4096
+    max_connections_per_client: Annotated[AtLeastOne, _meta("open connections from one client address; requests "
+                                                            "on any beyond are answered 503")] = 1024
+    vocab_size: Annotated[AtLeastOne | None, _meta("the engine's vocabulary size: sampled or prompt ids at or above "
+                                                   "it are refused (502); none: what the engine's /v1/models says, "
+                                                   "if it does")] = None
+    max_chain: Annotated[AtLeastOne | None, _meta("store a turn whole after this many delta-encoded turns in a row, "
+                                                  "so one damaged log line costs at most this many later turns; "
+                                                  "none: no bound")] = 32
     keepalive_s: Annotated[Positive, _meta("a streaming agent waiting this long gets SSE keep-alive comments",
                                            flag=None)] = 10.0
+    stream_read_s: Annotated[Positive, _meta("a streaming agent's text is read from the engine's parsers at most "
+                                             "this often (each read replays the answer so far), seconds")] = 0.05
     collect_on_pause: Annotated[bool, _meta("run the full garbage collection while agents are held for a weight "
                                             "sync", flag=None)] = True
     fsync: Annotated[bool, _meta("fsync every captured turn (survives power loss, slower)")] = False
+    tito: Annotated[bool, _meta("token in, token out: send an agent's earlier replies back to the engine as the "
+                                "ids it sampled (off: render every prompt from the messages)")] = True
     accept_images: Annotated[bool, _meta("forward image parts to the engine (only for models that take them)")] \
         = False
     default_max_turns: Annotated[AtLeastOne | None, _meta("step budget of a session that sets none",

@@ -20,6 +20,7 @@ class SessionInfo(msgspec.Struct, kw_only=True, frozen=True):
     key: str
     openai_base_url: str
     anthropic_base_url: str
+    gemini_base_url: str  # Google's SDKs append /v1beta/models/{model}:{method} to it
 
 
 class SessionSummary(msgspec.Struct, kw_only=True):
@@ -51,6 +52,17 @@ class PolicyVersion(msgspec.Struct, forbid_unknown_fields=True):
     version: Annotated[int, msgspec.Meta(ge=0)]
 
 
+class Recovery(msgspec.Struct, kw_only=True):
+    """What the proxy's start-up read back from its store, and what it could not."""
+
+    sessions: int = 0
+    turns: int = 0  # turns rebuilt exactly
+    lost_turns: int = 0  # logged turns that could not be rebuilt exactly (never served, never guessed)
+    quarantined_lines: int = 0  # damaged lines skipped; their bytes are kept under STORE/quarantine/
+    duplicate_lines: int = 0  # lines logged twice, counted once
+    unreadable_files: int = 0  # files that are not a session log (left untouched)
+
+
 class Health(msgspec.Struct, kw_only=True):
     status: str
     sessions: int
@@ -58,6 +70,8 @@ class Health(msgspec.Struct, kw_only=True):
     in_flight: int
     policy_version: int | None
     upstream: str
+    recovery: Recovery = msgspec.field(default_factory=Recovery)
+    connections: int = 0
 
 
 class ErrorDetail(msgspec.Struct):

@@ -6,6 +6,7 @@ Requests and replies are the Structs of `proxy.control_api`, shared with `ProxyC
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 from collections.abc import Callable
@@ -14,14 +15,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from harness_rl.trace import FORMATS, TraceFormat, TraceValidationError
+from harness_rl.trace import FORMATS, TraceFormat, TraceFormatError, TraceValidationError
 from proxy.config import ProxyConfig
 from proxy.control_api import Deleted, Health, Paused, PolicyVersion, SessionCreate, SessionInfo, SessionList
 from proxy.errors import ProxyError
+from proxy.limits import ConnectionGuard, read_body
 from proxy.pipeline import CapturePipeline
 from proxy.session import Session, SessionRegistry, TraceSnapshot
 
 _ENCODER = msgspec.json.Encoder()
+CONTEXT_QUERY_S = 5.0  # how long creating a capped session waits to learn the engine's context size
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -33,16 +36,19 @@ def _decode(data: bytes, kind: type[Any]) -> Any:
         return msgspec.json.decode(data or b"{}", type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProxyError(400, f"bad {kind.__name__} request: {exc}") from None
+    except RecursionError:
+        raise ProxyError(400, f"bad {kind.__name__} request: JSON nested too deeply") from None
 
 
 class ControlRoutes:
     def __init__(self, config: ProxyConfig, admin_token: str, registry: SessionRegistry, pipeline: CapturePipeline,
-                 base_url: Callable[[web.Request], str]) -> None:
+                 base_url: Callable[[web.Request], str], guard: ConnectionGuard) -> None:
         self.config = config
         self.admin_token = admin_token
         self.registry = registry
         self.pipeline = pipeline
         self.base_url = base_url
+        self.guard = guard
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_get("/", self.ok)
@@ -75,19 +81,31 @@ class ControlRoutes:
         gate = self.pipeline.gate
         return json_response(Health(status="ok", sessions=len(self.registry.by_id), paused=gate.paused,
                                     in_flight=gate.in_flight, policy_version=self.pipeline.announced_version,
-                                    upstream=self.config.upstream))
+                                    upstream=self.config.upstream, recovery=self.registry.recovery,
+                                    connections=self.guard.open))
 
     async def create_session(self, request: web.Request) -> web.Response:
         self._admin(request)
-        body: SessionCreate = _decode(await request.read(), SessionCreate)
-        session = self.registry.create(
-            body.metadata,
-            body.max_turns if body.max_turns is not None else self.config.default_max_turns,
-            body.max_tokens_per_turn if body.max_tokens_per_turn is not None
-            else self.config.default_max_tokens_per_turn)
+        body: SessionCreate = _decode(await read_body(request, self.config.body_timeout_s), SessionCreate)
+        cap = body.max_tokens_per_turn if body.max_tokens_per_turn is not None \
+            else self.config.default_max_tokens_per_turn
+        await self._check_cap(cap)
+        session, key = self.registry.create(
+            body.metadata, body.max_turns if body.max_turns is not None else self.config.default_max_turns, cap)
         base = f"{self.base_url(request)}/s/{session.id}"
-        return json_response(SessionInfo(id=session.id, key=session.key, openai_base_url=base + "/v1",
-                                         anthropic_base_url=base), status=201)
+        return json_response(SessionInfo(id=session.id, key=key, openai_base_url=base + "/v1",
+                                         anthropic_base_url=base, gemini_base_url=base), status=201)
+
+    async def _check_cap(self, cap: int | None) -> None:
+        """A max_tokens cap must leave room for a prompt in the engine's context (when the engine says its size)."""
+        if cap is None:
+            return
+        engine = self.pipeline.engine
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.served_model(), CONTEXT_QUERY_S)
+        if engine.max_model_len is not None and cap >= engine.max_model_len:
+            raise ProxyError(400, f"max_tokens_per_turn {cap} leaves no room for a prompt in the engine's "
+                                  f"{engine.max_model_len}-token context")
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         self._admin(request)
@@ -108,20 +126,23 @@ class ControlRoutes:
         return web.Response(body=body, content_type="application/json")
 
     async def close_session(self, request: web.Request) -> web.Response:
+        """Seal the session: later calls get 409, a call in flight is answered 409 and not recorded."""
         self._admin(request)
         session = self._session(request)
         session.close()
         return json_response(session.summary())
 
     async def delete_session(self, request: web.Request) -> web.Response:
+        """Forget the session and remove its log; a call in flight is answered 404 and writes nothing."""
         self._admin(request)
         self.registry.delete(self._session(request))
         return json_response(Deleted(request.match_info["sid"]))
 
     async def pause(self, request: web.Request) -> web.Response:
-        """Hold new agent calls; answer once every call already at the engine has been recorded."""
+        """Hold new agent calls; answer once every call already at the engine has been recorded, or at once
+        with `?drain=false` (the engine then pauses those calls itself, and they finish on the new weights)."""
         self._admin(request)
-        await self.pipeline.gate.pause()
+        await self.pipeline.gate.pause(drain=request.query.get("drain", "true").lower() != "false")
         if self.config.collect_on_pause:
             gc.collect()  # agents are held anyway: the collector's pause costs them nothing now
         return json_response(Paused(True, self.pipeline.gate.in_flight))
@@ -133,15 +154,14 @@ class ControlRoutes:
 
     async def set_policy_version(self, request: web.Request) -> web.Response:
         self._admin(request)
-        body: PolicyVersion = _decode(await request.read(), PolicyVersion)
+        body: PolicyVersion = _decode(await read_body(request, self.config.body_timeout_s), PolicyVersion)
         self.pipeline.announced_version = body.version
         return json_response(body)
 
 
 def _validated_trace_json(snapshot: TraceSnapshot, fmt: TraceFormat) -> bytes:
-    trace = snapshot.build()
     try:
-        trace.validate()
-    except TraceValidationError as exc:
+        trace = snapshot.build().validate()
+    except (TraceFormatError, TraceValidationError) as exc:
         raise ProxyError(500, f"the captured trace does not validate: {exc}") from None
     return trace.to_json(fmt)

@@ -127,14 +127,14 @@ def message_dict(answer: Answer) -> dict[str, Any]:
     return out
 
 
-def _logprobs(answer: Answer) -> dict[str, Any] | None:
+def logprobs_block(answer: Answer) -> dict[str, Any] | None:
     if answer.logprobs is None:
         return None
     return {"content": [{"token": f"token_id:{t.token_id}", "logprob": t.logprob, "bytes": None, "top_logprobs": []}
                         for t in answer.logprobs]}
 
 
-def _usage(answer: Answer) -> dict[str, int]:
+def usage(answer: Answer) -> dict[str, int]:
     return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
             "total_tokens": answer.prompt_tokens + answer.completion_tokens}
 
@@ -143,37 +143,7 @@ def completion(answer: Answer) -> bytes:
     """The non-streaming answer."""
     return _ENCODER.encode({
         "id": answer.id, "object": "chat.completion", "created": answer.created, "model": answer.model,
-        "choices": [{"index": 0, "message": message_dict(answer), "logprobs": _logprobs(answer),
+        "choices": [{"index": 0, "message": message_dict(answer), "logprobs": logprobs_block(answer),
                      "finish_reason": answer.finish_reason}],
-        "usage": _usage(answer),
+        "usage": usage(answer),
     })
-
-
-def sse_events(answer: Answer, include_usage: bool) -> bytes:
-    """The same answer as a chat.completion.chunk stream, ending with `[DONE]`.
-
-    One chunk each for the role, reasoning, content, each tool call's header and its arguments,
-    then the finish reason and, when asked, the usage chunk (choices empty) before `[DONE]`.
-    """
-    base = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model}
-    reply = answer.reply
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        return b"data: " + _ENCODER.encode(body) + b"\n\n"
-
-    out = [chunk({"role": "assistant", "content": ""})]
-    if reply.reasoning:
-        out.append(chunk({"reasoning": reply.reasoning, "reasoning_content": reply.reasoning}))
-    if reply.content:
-        out.append(chunk({"content": reply.content}, logprobs=_logprobs(answer)))
-    for i, call in enumerate(reply.tool_calls):
-        out.append(chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                          "function": {"name": call.name, "arguments": ""}}]}))
-        if call.arguments:
-            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
-    out.append(chunk({}, answer.finish_reason))
-    if include_usage:
-        out.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": _usage(answer)}) + b"\n\n")
-    out.append(b"data: [DONE]\n\n")
-    return b"".join(out)

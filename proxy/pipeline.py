@@ -1,8 +1,10 @@
 """The capture pipeline: one agent call from admission to a durably recorded turn and its `Answer`.
 
-admit against the session's budget → hold while the learner syncs weights → apply the sampling
-policy → ask the engine with capture on → check ids, logprobs and usage → append the turn to the
-session's log → build the dialect-neutral answer. Only then does a dialect render it to the agent.
+hold while the learner syncs weights → apply the sampling policy → make the prompt ids (spliced onto
+the earlier turn the agent continues, else rendered: `proxy.tito`) → sample from them (`generate`)
+→ check ids, logprobs and usage → read the answer with the engine's own parsers (`derender`) →
+append the turn to the session's log → build the dialect-neutral answer. Only then does a dialect
+render it to the agent.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import Reply, ToolCall
+from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, ToolCall, VersionSpan
+from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
+from proxy.engine_wire import SamplingParams, WeightVersionSpan
 from proxy.session import Session, TurnCapture
-from proxy.upstream import EngineChatRequest, EngineClient
+from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
+from proxy.upstream import ChatRender, EngineClient, Generated, Rendered
 
 BUDGET_MESSAGE = "Step budget exhausted; stopping."
 _ENCODER = msgspec.json.Encoder()
@@ -48,12 +53,35 @@ class Gate:
         if self.in_flight == 0:
             self._idle.set()
 
-    async def pause(self) -> None:
+    async def pause(self, drain: bool = True) -> None:
         self._running.clear()
-        await self._idle.wait()
+        if drain:
+            await self._idle.wait()
 
     def resume(self) -> None:
         self._running.set()
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    ids: Rendered  # what the engine samples from
+    rendered: Rendered  # the template's rendering of the whole conversation (the same ids unless spliced)
+    source: PromptSource
+    prefix_break: PrefixBreak | None = None
+
+
+class Prepared(msgspec.Struct, frozen=True, kw_only=True):
+    """One call made ready for the engine: its prompt ids, what it samples with, and what its turn records."""
+
+    prompt: Prompt
+    params: SamplingParams
+    stops: list[str]  # stop strings (the engine stops after them; the agent never sees them)
+    sampling: Sampling
+    parsing: bytes  # the chat body the engine's parsers read the answer against (its last message only)
+    messages: list[bytes]
+    message_digests: bytes
+    tools: bytes | None
+    started: float
+    version_at_start: int | None
 
 
 class CapturePipeline:
@@ -63,48 +91,124 @@ class CapturePipeline:
         self.gate = Gate()
         self.announced_version: int | None = None  # the learner's latest, for engines that do not stamp replies
 
-    async def capture(self, session: Session, call: ChatCall, harness: dict[str, str]) -> tuple[Answer, str]:
+    async def capture(self, session: Session, call: ChatCall, harness: dict[str, str],
+                      answer_id: str | None = None) -> tuple[Answer, str]:
         """Ask the engine, check and record the turn; return the answer and the turn's node id.
 
         The caller holds the gate (`Gate.enter`) and has admitted the call against the session's budget.
         """
+        prepared = await self.prepare(session, call)
+        sample = await self.engine.generate(prepared.prompt.ids, prepared.params)
+        reply = await self.read(prepared, sample)
+        return self.record(session, call, harness, prepared, sample, reply, answer_id)
+
+    async def prepare(self, session: Session, call: ChatCall) -> Prepared:
+        """The sampling the policy allows and the prompt ids (spliced or rendered)."""
         applied, sampling = self.config.sampling.apply(call.knobs, session.opened.max_tokens_per_turn)
         encoded = [_ENCODER.encode(m) for m in call.messages]
         tools = _ENCODER.encode(call.tools) if call.tools else None
-        request = EngineChatRequest.capturing(
-            [msgspec.Raw(m) for m in encoded], tools=msgspec.Raw(tools) if tools else None,
-            tool_choice=call.tool_choice, temperature=applied.temperature, max_tokens=applied.max_tokens,
-            seed=applied.seed, stop=applied.stop, chat_template_kwargs=call.chat_template_kwargs)
-        started = time.time()
-        result = await self.engine.chat(request)
+        conversation = ChatRender(messages=[msgspec.Raw(m) for m in encoded], add_generation_prompt=True,
+                                  tools=msgspec.Raw(tools) if tools else None, tool_choice=call.tool_choice,
+                                  chat_template_kwargs=call.chat_template_kwargs)
+        message_digests = digests(encoded)
+        started, version_at_start = time.time(), self.announced_version
+        prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
+        params = SamplingParams.capturing(temperature=applied.temperature, max_tokens=applied.max_tokens,
+                                          seed=applied.seed, stop=applied.stop)
+        # The parsers read the request's tools, tool choice and template kwargs, never its history: sending the
+        # last message alone keeps derender's cost flat however long the conversation grows.
+        parsing = msgspec.structs.replace(conversation, messages=conversation.messages[-1:])
+        return Prepared(prompt=prompt, params=params, stops=applied.stop or [], sampling=sampling,
+                        parsing=_ENCODER.encode(parsing), messages=encoded,
+                        message_digests=message_digests, tools=tools, started=started,
+                        version_at_start=version_at_start)
+
+    async def read(self, prepared: Prepared, sample: Generated) -> Reply:
+        """The reply in the sampled ids, read by the engine's own parsers."""
+        message = await self.engine.derender(sample, prepared.parsing, prepared.prompt.ids.count)
+        return Reply(content=message.content, reasoning=message.reasoning_text,
+                     tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                                 for c in message.tool_calls or ()])
+
+    def record(self, session: Session, call: ChatCall, harness: dict[str, str], prepared: Prepared,
+               sample: Generated, reply: Reply, answer_id: str | None = None) -> tuple[Answer, str]:
+        """Append the turn to the session's log; the answer to give (under `answer_id`, if the dialect chose one)."""
         finished = time.time()
-        choice = result.reply.choices[0]
-        message = choice.message
-        reply = Reply(content=message.content, reasoning=message.reasoning_text,
-                      tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-                                  for c in message.tool_calls or ()])
-        ids = choice.token_ids or []
-        logps = [e.logprob for e in (choice.logprobs.content if choice.logprobs and choice.logprobs.content else ())]
-        finish = choice.finish_reason or "stop"
+        finish = "tool_calls" if reply.tool_calls and sample.finish_reason == "stop" else sample.finish_reason
         metadata: dict[str, Any] = {"dialect": call.dialect, "model": call.model,
                                     "served_model": self.engine.model or None, "stream": call.stream,
-                                    "harness": harness, "engine_attempts": result.attempts}
+                                    "harness": harness, "engine_attempts": sample.attempts}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
-        version = result.policy_version if result.policy_version is not None else self.announced_version
+        spans = _version_spans(sample.spans, prepared.version_at_start)
+        version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
+            else self.announced_version
+        prompt = prepared.prompt
         node_id = session.record(TurnCapture(
-            prompt_text=result.prompt_text, n_prompt=result.n_prompt, completion_ids=ids, logps=logps,
-            messages=encoded, tools=tools, reply=reply, sampling=sampling, metadata=metadata,
-            policy_version=version, finish_reason=finish, started_at=started, finished_at=finished))
-        answer = Answer(id=result.reply.id or f"chatcmpl-{secrets.token_hex(12)}",
-                        created=result.reply.created or int(started), model=call.model, reply=reply,
-                        finish_reason=finish, prompt_tokens=result.n_prompt, completion_tokens=len(ids),
-                        logprobs=[SampledToken(i, lp) for i, lp in zip(ids, logps, strict=True)]
+            prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
+            messages=prepared.messages, message_digests=prepared.message_digests, tools=prepared.tools, reply=reply,
+            sampling=prepared.sampling, rendered=fingerprint(prompt.rendered.text),
+            metadata=metadata, policy_version=version, version_spans=spans if len(spans) > 1 else [],
+            finish_reason=finish, started_at=prepared.started,
+            finished_at=finished, prompt_source=prompt.source, prefix_break=prompt.prefix_break))
+        answer = Answer(id=answer_id or new_answer_id(), created=int(prepared.started), model=call.model,
+                        reply=reply, finish_reason=finish, prompt_tokens=prompt.ids.count,
+                        completion_tokens=len(sample.ids),
+                        logprobs=[SampledToken(i, lp) for i, lp in zip(sample.ids, sample.logps, strict=True)]
                         if call.logprobs else None)
         return answer, node_id
 
+    async def _prompt(self, session: Session, call: ChatCall, conversation: ChatRender, message_digests: bytes,
+                      tools_digest: int | None) -> Prompt:
+        """The prompt ids: the earlier turn's ids spliced with the new messages' rendering when the agent
+        continues one (token in, token out), else the engine's rendering of the whole conversation."""
+        continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
+            if self.config.tito else None
+        if continued is None:
+            full = await self.engine.render(conversation)
+            reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
+                                   session.graph.sequence, self.config.tito)
+            return Prompt(full, full, "rendered", reason)
+        node_id, reply_at = continued
+        closing, full = await asyncio.gather(self.engine.closing(), self.engine.render(conversation))
+        earlier = session.graph.sequence(node_id)
+        tail = None
+        if closing is not None:
+            end_of_turn, separator = closing
+            marker = token_text([end_of_turn]) + separator
+            tail = tail_after(session.replies.calls[node_id].rendered, full.text, marker)
+            if tail is None:  # the template re-rendered the earlier history: find the reply's end the long way
+                before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
+                                                 add_generation_prompt=False)
+                tail = splice_tail((await self.engine.render(before)).text, full.text, marker)
+        if tail is None or closing is None:
+            dropped = PrefixBreak(position=common_tokens(earlier, full.text), cause="template_dropped",
+                                  against=node_id)
+            return Prompt(full, full, "rendered", dropped)
+        last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
+        close = separator if last == str(end_of_turn).encode() else marker
+        ids = earlier + close + tail
+        count = session.graph.nodes[node_id].tokens + close.count(SEP) + tail.count(SEP)
+        return Prompt(Rendered(ids, count), full, "spliced")
 
-def budget_answer(call: ChatCall) -> Answer:
+
+def new_answer_id() -> str:
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+def budget_answer(call: ChatCall, answer_id: str | None = None) -> Answer:
     """The answer given, without asking the engine, once a session's step budget is spent (never recorded)."""
-    return Answer(id=f"chatcmpl-budget-{secrets.token_hex(6)}", created=int(time.time()), model=call.model,
+    return Answer(id=answer_id or f"chatcmpl-budget-{secrets.token_hex(6)}", created=int(time.time()), model=call.model,
                   reply=Reply(content=BUDGET_MESSAGE), finish_reason="stop", prompt_tokens=0, completion_tokens=0)
+
+
+def _version_spans(spans: list[WeightVersionSpan], version_at_start: int | None) -> list[VersionSpan]:
+    """The engine's spans as policy versions. vLLM names the weights it started with "default"; that can
+    only be the first span, sampled before any sync of this request landed, so it is the version announced
+    when the request began. Unknown versions leave the turn to the announced one (no spans)."""
+    def version(name: str) -> int | None:
+        return int(name) if name.isdigit() else version_at_start if name == "default" else None
+
+    versions = [version(s.version) for s in spans]
+    return [VersionSpan(version=v, start=s.start, end=s.end) for v, s in zip(versions, spans, strict=True)
+            if v is not None] if None not in versions else []

@@ -2,11 +2,13 @@
 
 Each model call is admitted against its session's budget, held while the learner syncs weights, sent
 to the engine with capture on, recorded durably, and only then answered in the agent's dialect
-(`proxy.pipeline`, `proxy.agent_routes`). The control API lives in `proxy.control_routes`.
+(`proxy.pipeline`, `proxy.agent_routes`). The control API lives in `proxy.control_routes`; connection
+limits and read timeouts in `proxy.limits`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from proxy.agent_routes import AgentRoutes
 from proxy.config import ProxyConfig
 from proxy.control_routes import ControlRoutes
 from proxy.errors import Dialect, ProxyError, error_body
+from proxy.limits import LINGER_S, ConnectionGuard, RequestHandler, send_and_close
 from proxy.pipeline import CapturePipeline
+from proxy.recovery import recover_store
 from proxy.session import SessionRegistry
 from proxy.upstream import EngineClient
 
@@ -32,12 +36,15 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
-        self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync)
+        self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync, max_chain=config.max_chain)
         self.engine = EngineClient(config.upstream, timeout_s=config.request_timeout_s, retries=config.retries,
-                                   model=config.upstream_model)
+                                   model=config.upstream_model, max_reply_bytes=int(config.max_reply_mb * 2**20),
+                                   vocab_size=config.vocab_size)
         self.advertise_url = config.advertise_url
+        self.guard = ConnectionGuard(config.max_connections, config.max_connections_per_client)
         self.pipeline = CapturePipeline(config, self.engine)
-        self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self._base_url)
+        self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self._base_url,
+                                     self.guard)
         self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline)
         self.app = self._build_app()
 
@@ -53,7 +60,11 @@ class Proxy:
         return (self.advertise_url or f"{request.scheme}://{request.host}").rstrip("/")
 
     async def _on_startup(self, app: web.Application) -> None:
-        self.registry.recover()
+        recovery = recover_store(self.registry)
+        if recovery.lost_turns or recovery.quarantined_lines or recovery.unreadable_files:
+            log.warning("store %s: %d sessions, %d turns recovered; %d turns lost, %d damaged lines quarantined, "
+                        "%d unreadable files", self.config.store_dir, recovery.sessions, recovery.turns,
+                        recovery.lost_turns, recovery.quarantined_lines, recovery.unreadable_files)
         await self.engine.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
@@ -63,9 +74,15 @@ class Proxy:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
+            refused = self.guard.refusal(request.transport)
+            if refused is not None:
+                raise refused
             return await handler(request)
         except ProxyError as exc:
-            return error_response(dialect_of(request), exc)
+            response = error_response(dialect_of(request), exc)
+            return await send_and_close(request, response) if exc.close_connection else response
+        except RecursionError:
+            return error_response(dialect_of(request), ProxyError(400, "the request's JSON is nested too deeply"))
         except web.HTTPRequestEntityTooLarge:
             limit = self.config.max_body_mb
             return error_response(dialect_of(request), ProxyError(413, f"request body exceeds {limit:g} MB"))
@@ -80,7 +97,13 @@ class Proxy:
 
 
 def dialect_of(request: web.Request) -> Dialect:
-    return "anthropic" if "/v1/messages" in request.path else "openai"
+    """The error shape a caller of this path parses: Google's for `.../models/{model}:{method}`."""
+    path = request.path
+    if "/v1/messages" in path:
+        return "anthropic"
+    if "/models/" in path.lower() and ":" in path.rpartition("/")[2]:
+        return "google"
+    return "openai"
 
 
 def error_response(dialect: Dialect, exc: ProxyError) -> web.Response:
@@ -99,21 +122,31 @@ class RunningProxy:
     admin_token: str
     proxy: Proxy
     runner: web.AppRunner
+    server: asyncio.Server
 
     async def stop(self) -> None:
+        self.server.close()
         await self.runner.cleanup()
 
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
-    """Start the proxy inside the running event loop."""
+    """Start the proxy inside the running event loop, its connections counted and timed (`proxy.limits`)."""
     proxy = Proxy(config)
-    runner = web.AppRunner(proxy.app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(proxy.app, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-    await site.start()
-    port = runner.addresses[0][1]
+    loop = asyncio.get_running_loop()
+    manager = runner.server
+    assert manager is not None
+
+    def handler() -> RequestHandler:
+        return RequestHandler(manager, loop=loop, keepalive_timeout=config.header_timeout_s, lingering_time=LINGER_S,
+                              access_log=None)  # type: ignore[arg-type]  # None: no access log (aiohttp's documented way)
+
+    server = await loop.create_server(proxy.guard.protocol_factory(handler), config.host or None, config.port,
+                                      backlog=1024, reuse_address=True)
+    port = server.sockets[0].getsockname()[1]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     url = f"http://{host}:{port}"
     if proxy.advertise_url is None:
         proxy.advertise_url = url
-    return RunningProxy(url, proxy.admin_token, proxy, runner)
+    return RunningProxy(url, proxy.admin_token, proxy, runner, server)

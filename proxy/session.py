@@ -3,11 +3,19 @@
 In memory a session keeps, per turn, only its encoded log line (delta-encoded, a few KB) plus the
 capture graph's new tokens, so a long rollout costs memory in proportion to what it adds. Full
 `TrainingTrace`s are built on demand when the trace is fetched.
+
+Delta chains on disk are bounded: after `max_chain` delta-encoded turns in a row a turn is written
+whole (memory keeps its delta), so one damaged log line costs at most that many later turns.
+Recovery (`proxy.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
+missing line; a turn that cannot be rebuilt exactly is counted lost and left out, never guessed.
+Once a session is closed or deleted nothing more is written: a call still in flight then is
+answered with an error and its turn is not recorded.
 """
 
 from __future__ import annotations
 
-import os
+import hmac
+import math
 import secrets
 import time
 from array import array
@@ -17,9 +25,19 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, StoredTurn, TrainingTrace, rebuild_turns
+from harness_rl.trace import (
+    PrefixBreak,
+    PromptSource,
+    Reply,
+    Sampling,
+    StoredTurn,
+    TrainingTrace,
+    VersionSpan,
+    rebuild_turns,
+)
 from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
-from proxy.control_api import SessionSummary
+from proxy.control_api import Recovery, SessionSummary
+from proxy.errors import ProxyError
 from proxy.store import (
     BudgetStop,
     Closed,
@@ -28,18 +46,17 @@ from proxy.store import (
     Undelivered,
     decode_turn,
     encode_line,
-    read_log,
+    key_digest,
+    private_dir,
 )
-
-DIGEST = 8  # bytes per message digest
+from proxy.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messages, digests
 
 
 @dataclass(slots=True)
 class CapturedTurn:
     line: bytes
-    message_digests: bytes
-    tools_digest: int | None
     delivered: bool = True
+    depth: int = 0  # delta hops on disk to a turn stored whole (0: this one is)
 
 
 @dataclass(slots=True)
@@ -51,11 +68,14 @@ class TurnCapture:
     completion_ids: list[int]
     logps: list[float]
     messages: list[bytes]  # each forwarded message, JSON-encoded
+    message_digests: bytes  # proxy.tito.digests(messages)
     tools: bytes | None  # the forwarded tools list, JSON-encoded
     reply: Reply
     sampling: Sampling
+    rendered: tuple[int, int] | None  # proxy.tito.fingerprint of the template's rendering of the conversation
     metadata: dict[str, Any]
     policy_version: int | None
+    version_spans: list[VersionSpan]
     finish_reason: str | None
     started_at: float
     finished_at: float
@@ -64,12 +84,16 @@ class TurnCapture:
 
 
 class Session:
-    def __init__(self, opened: SessionOpened, log: SessionLog) -> None:
+    def __init__(self, opened: SessionOpened, log: SessionLog, *, max_chain: int | None = None) -> None:
         self.opened = opened
         self.log = log
+        self.max_chain = max_chain
         self.graph = CaptureGraph()
         self.turns: dict[str, CapturedTurn] = {}
+        self.replies = ReplyIndex()
+        self.continued: set[str] = set()  # turns the agent went on from although no prompt extends them
         self.closed = False
+        self.deleted = False
         self.calls = 0
         self.budget_stops = 0
 
@@ -77,9 +101,9 @@ class Session:
     def id(self) -> str:
         return self.opened.id
 
-    @property
-    def key(self) -> str:
-        return self.opened.key
+    def accepts(self, presented: str) -> bool:
+        """Whether `presented` is this session's key (compared in constant time, as digests)."""
+        return hmac.compare_digest(key_digest(presented), self.opened.key_digest)
 
     def admit(self) -> bool:
         """Count one engine call against the step budget; False once the budget is spent."""
@@ -93,71 +117,132 @@ class Session:
         self.calls -= 1
 
     def record_budget_stop(self) -> None:
+        if self.log.sealed:
+            return
         self.budget_stops += 1
         self.log.append(encode_line(BudgetStop(time.time())))
 
     def record(self, capture: TurnCapture) -> str:
-        """Add a turn to the graph and append it to the log; return its node id."""
+        """Add a turn to the graph and append it to the log; return its node id.
+
+        Refused (nothing recorded) once the session is closed or deleted, even for a call that was
+        already at the engine then: a closed session's trace never changes.
+        """
+        if self.deleted:
+            raise ProxyError(404, f"session {self.id} was deleted while this call was in flight; its turn was not "
+                                  "recorded")
+        if self.closed:
+            raise ProxyError(409, f"session {self.id} was closed while this call was in flight; its turn was not "
+                                  "recorded")
         node_id = secrets.token_hex(6)
         while node_id in self.turns:
             node_id = secrets.token_hex(6)
         completion_text = token_text(capture.completion_ids)
         sequence = capture.prompt_text + completion_text
-        node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
-                    capture.started_at)
-        base = self.graph.add(node, sequence)
-        digests = array("q", map(hash, capture.messages)).tobytes()
+        message_digests = capture.message_digests
         tools_digest = hash(capture.tools) if capture.tools is not None else None
-        base_turn = self.turns.get(base.node_id) if base.node_id else None
-        prefix = _common_digest_prefix(base_turn.message_digests, digests) if base_turn else 0
+        node = Node(node_id, len(capture.prompt_text), len(completion_text), capture.tools is not None,
+                    capture.started_at, request_key=_request_key(message_digests, tools_digest),
+                    tokens=capture.n_prompt + len(capture.completion_ids))
+        base = self.graph.add(node, sequence)
+        base_turn = self.replies.calls.get(base.node_id) if base.node_id else None
+        prefix = common_messages(base_turn.message_digests, message_digests) if base_turn else 0
         inherit_tools = base_turn is not None and tools_digest is not None and base_turn.tools_digest == tools_digest
-        line = encode_line(StoredTurn(
+        stored = StoredTurn(
             node_id=node_id, base=base.node_id, shared=sequence.count(SEP, 0, base.shared),
             tail=token_ids(sequence[base.shared:]), n_prompt=capture.n_prompt, per_token_logps=capture.logps,
-            policy_version=capture.policy_version, finish_reason=capture.finish_reason,
+            policy_version=capture.policy_version, version_spans=capture.version_spans,
+            finish_reason=capture.finish_reason,
             prompt_source=capture.prompt_source, prefix_break=capture.prefix_break, messages_prefix=prefix,
             messages=[msgspec.Raw(m) for m in capture.messages[prefix:]],
             tools=None if inherit_tools or capture.tools is None else msgspec.Raw(capture.tools),  # type: ignore[arg-type]
             tools_inherited=inherit_tools, reply=capture.reply, sampling=capture.sampling, metadata=capture.metadata,
             started_at=capture.started_at, finished_at=capture.finished_at,
-        ))
-        self.log.append(line)
-        self.turns[node_id] = CapturedTurn(line, digests, tools_digest)
+        )
+        line = encode_line(stored)
+        depth = self.turns[base.node_id].depth + 1 if base.node_id and (stored.shared or prefix or inherit_tools) \
+            else 0
+        if self.max_chain is not None and depth > self.max_chain:  # the log gets this turn whole, memory the delta
+            depth = 0
+            self.log.append(encode_line(msgspec.structs.replace(
+                stored, base=None, shared=0, tail=token_ids(sequence), messages_prefix=0,
+                messages=[msgspec.Raw(m) for m in capture.messages], tools_inherited=False,
+                tools=None if capture.tools is None else msgspec.Raw(capture.tools))))
+        else:
+            self.log.append(line)
+        self.turns[node_id] = CapturedTurn(line, depth=depth)
+        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered))
+        self._note_continuation(capture.prefix_break)
         return node_id
 
     def mark_undelivered(self, node_id: str) -> None:
+        if self.log.sealed:
+            return  # closed or deleted meanwhile: its trace no longer changes
         self.log.append(encode_line(Undelivered(node_id)))
         self.turns[node_id].delivered = False
 
     def close(self) -> None:
-        """Refuse further agent calls; the log's file is released (a late in-flight turn reopens it)."""
+        """Refuse further agent calls and seal the log: nothing is written after this line."""
         if not self.closed:
             self.closed = True
-            self.log.append(encode_line(Closed(time.time())))
-            self.log.close()
+            if not self.log.sealed:
+                self.log.append(encode_line(Closed(time.time())))
+            self.log.seal()
 
-    def replay(self, line: Any, raw: bytes) -> None:
-        """Rebuild state from one log line (recovery after a restart)."""
+    def replay(self, line: Any, raw: bytes) -> Problem | None:
+        """Rebuild state from one log line (recovery after a restart); what is wrong with it, or None."""
         if isinstance(line, StoredTurn):
-            base = self.turns.get(line.base) if line.base else None
-            base_sequence = self.graph.sequence(line.base) if base and line.base else b""
-            sequence = base_sequence[:offset_after(base_sequence, line.shared)] + token_text(line.tail)
-            prompt_len = offset_after(sequence, line.n_prompt)
-            own = array("q", (hash(msgspec.json.encode(m)) for m in line.messages or ())).tobytes()
-            digests = (base.message_digests[:line.messages_prefix * DIGEST] if base else b"") + own
-            tools_digest = base.tools_digest if line.tools_inherited and base else (
-                hash(msgspec.json.encode(line.tools)) if line.tools is not None else None)
-            node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None, line.started_at
-                        or 0.0)
-            self.graph.add(node, sequence)
-            self.turns[line.node_id] = CapturedTurn(raw + b"\n", digests, tools_digest)
-            self.calls += 1
-        elif isinstance(line, Undelivered) and line.node_id in self.turns:
+            return self._replay_turn(line, raw)
+        if isinstance(line, SessionOpened):
+            return Problem("a second session line", damaged=True)
+        if isinstance(line, Undelivered) and line.node_id in self.turns:
             self.turns[line.node_id].delivered = False
         elif isinstance(line, Closed):
             self.closed = True
+            self.log.seal()
         elif isinstance(line, BudgetStop):
             self.budget_stops += 1
+        return None
+
+    def _replay_turn(self, line: StoredTurn, raw: bytes) -> Problem | None:
+        """Put one logged turn back into the graph, only if it can be rebuilt exactly."""
+        if line.node_id in self.turns:
+            return Problem(f"turn {line.node_id} is logged twice with different contents", damaged=True)
+        wrong = _own_problem(line)
+        if wrong is not None:
+            return Problem(f"turn {line.node_id}: {wrong}", damaged=True)
+        depends = bool(line.shared or line.messages_prefix or line.tools_inherited)
+        base = self.replies.calls.get(line.base) if depends and line.base else None
+        if depends and base is None:
+            return Problem(f"turn {line.node_id} is stored against {line.base!r}, which is missing or lost")
+        base_sequence = self.graph.sequence(line.base) if base is not None and line.base else b""
+        if base is not None and (base_sequence.count(SEP) < line.shared
+                                 or len(base.message_digests) < line.messages_prefix * DIGEST):
+            return Problem(f"turn {line.node_id} claims more of {line.base} than it holds")
+        sequence = base_sequence[:offset_after(base_sequence, line.shared)] + token_text(line.tail)
+        n_tokens = line.shared + len(line.tail)
+        if not line.n_prompt <= n_tokens or len(line.per_token_logps) != n_tokens - line.n_prompt:
+            return Problem(f"turn {line.node_id}: {len(line.per_token_logps)} logprobs for a "
+                           f"{n_tokens}-token sequence with a {line.n_prompt}-token prompt", damaged=True)
+        prompt_len = offset_after(sequence, line.n_prompt)
+        own = digests([msgspec.json.encode(m) for m in line.messages or ()])
+        message_digests = (base.message_digests[:line.messages_prefix * DIGEST] if base else b"") + own
+        tools_digest = base.tools_digest if line.tools_inherited and base else (
+            hash(msgspec.json.encode(line.tools)) if line.tools is not None else None)
+        node = Node(line.node_id, prompt_len, len(sequence) - prompt_len, tools_digest is not None,
+                    line.started_at or 0.0, request_key=_request_key(message_digests, tools_digest),
+                    tokens=sequence.count(SEP))
+        self.graph.add(node, sequence)
+        depth = self.turns[line.base].depth + 1 if base is not None and line.base else 0
+        self.turns[line.node_id] = CapturedTurn(raw + b"\n", depth=depth)
+        self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply))
+        self._note_continuation(line.prefix_break)
+        self.calls += 1
+        return None
+
+    def _note_continuation(self, prefix_break: PrefixBreak | None) -> None:
+        if prefix_break is not None and prefix_break.against and prefix_break.cause in CONTINUING:
+            self.continued.add(prefix_break.against)
 
     def summary(self) -> SessionSummary:
         return SessionSummary(id=self.id, created_at=self.opened.created_at, closed=self.closed,
@@ -167,7 +252,7 @@ class Session:
 
     def snapshot(self) -> TraceSnapshot:
         """What a trace is built from, copied out of the live session (cheap: no decoding)."""
-        parents, roles = self.graph.roles()
+        parents, roles = self.graph.roles(self.continued)
         rows = [(node_id, c.line, c.delivered) for node_id, c in self.turns.items()]
         metadata = {**self.opened.metadata, "closed": self.closed, "budget_stops": self.budget_stops}
         return TraceSnapshot(self.id, parents, roles, rows, metadata)
@@ -196,80 +281,73 @@ class TraceSnapshot:
         return TrainingTrace(rollout_id=self.rollout_id, turns=rebuild_turns(stored), metadata=self.metadata)
 
 
-def _common_digest_prefix(a: bytes, b: bytes) -> int:
-    """Leading messages two digest strings share (the usual case, `b` extends `a`, is one comparison)."""
-    if b.startswith(a):
-        return len(a) // DIGEST
-    n = min(len(a), len(b)) // DIGEST
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid * DIGEST] == b[:mid * DIGEST]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _request_key(message_digests: bytes, tools_digest: int | None) -> bytes:
+    """Equal for two calls with the same messages and tools: the second is a retry of the first."""
+    return message_digests + (array("q", [tools_digest]).tobytes() if tools_digest is not None else b"")
 
 
-def trace_from_log(path: Path) -> TrainingTrace:
-    """The trace of one session log file, rebuilt as the proxy would serve it (read-only)."""
-    lines, _ = read_log(path)
-    if not lines or not isinstance(lines[0][0], SessionOpened):
-        raise ValueError(f"{path} is not a proxy session log (no session line first)")
-    session = Session(lines[0][0], SessionLog(path, fsync=False))
-    for line, raw in lines[1:]:
-        session.replay(line, raw)
-    return session.trace()
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Why a log line was not replayed; `damaged` lines are quarantined, the others are only lost."""
+
+    reason: str
+    damaged: bool = False
+
+
+def _own_problem(turn: StoredTurn) -> str | None:
+    """What is wrong with a stored turn on its own (ids, logprobs, counts), or None."""
+    if turn.tail and min(turn.tail) < 0:
+        return "a negative token id"
+    logps = turn.per_token_logps
+    if logps and (not all(map(math.isfinite, logps)) or max(logps) > 0):
+        return "a positive or non-finite logprob"
+    if min(turn.shared, turn.n_prompt, turn.messages_prefix) < 0:
+        return "a negative count"
+    return None
 
 
 class SessionRegistry:
-    """Every session of one proxy, by id and by key, backed by one log file each under `store_dir`."""
+    """Every session of one proxy, by id and by key digest, backed by one log file each under `store_dir`.
 
-    def __init__(self, store_dir: Path, *, fsync: bool = False) -> None:
-        self.store_dir = store_dir
+    The store is private to its owner (0700, files 0600).
+    """
+
+    def __init__(self, store_dir: Path, *, fsync: bool = False, max_chain: int | None = None) -> None:
+        self.store_dir = private_dir(store_dir)
         self.fsync = fsync
+        self.max_chain = max_chain
         self.by_id: dict[str, Session] = {}
-        self.by_key: dict[str, Session] = {}
-        store_dir.mkdir(parents=True, exist_ok=True)
+        self.by_key: dict[str, Session] = {}  # by key digest
+        self.recovery = Recovery()
 
     def create(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None,
-               max_tokens_per_turn: int | None = None) -> Session:
-        opened = SessionOpened(id="s" + secrets.token_hex(12), key="hrl-" + secrets.token_urlsafe(24),
-                               created_at=time.time(), metadata=metadata or {}, max_turns=max_turns,
-                               max_tokens_per_turn=max_tokens_per_turn)
-        session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync))
+               max_tokens_per_turn: int | None = None) -> tuple[Session, str]:
+        """A new session and its key (the only time the key exists in the clear)."""
+        key = "hrl-" + secrets.token_urlsafe(24)
+        opened = SessionOpened(id="s" + secrets.token_hex(12), key_sha256=key_digest(key), created_at=time.time(),
+                               metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn)
+        session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync), max_chain=self.max_chain)
         session.log.append(encode_line(opened))
-        self._add(session)
-        return session
+        self.add(session)
+        return session, key
+
+    def by_presented_key(self, presented: str) -> Session | None:
+        return self.by_key.get(key_digest(presented))
 
     def delete(self, session: Session) -> None:
+        """Forget the session and remove its log; a call still in flight is answered with an error."""
         self.by_id.pop(session.id, None)
-        self.by_key.pop(session.key, None)
+        self.by_key.pop(session.opened.key_digest, None)
+        session.deleted = True
         session.log.delete()
-
-    def recover(self) -> int:
-        """Load every session log under the store; return how many turns came back."""
-        restored = 0
-        for path in sorted(self.store_dir.glob("s*.jsonl")):
-            lines, good = read_log(path)
-            if not lines or not isinstance(lines[0][0], SessionOpened):
-                continue
-            if good < path.stat().st_size:
-                os.truncate(path, good)
-            session = Session(lines[0][0], SessionLog(path, fsync=self.fsync))
-            for line, raw in lines[1:]:
-                session.replay(line, raw)
-            restored += len(session.turns)
-            self._add(session)
-        return restored
 
     def close_all(self) -> None:
         for session in self.by_id.values():
-            session.log.close()
+            session.log.seal()
 
-    def _add(self, session: Session) -> None:
+    def add(self, session: Session) -> None:
         self.by_id[session.id] = session
-        self.by_key[session.key] = session
+        self.by_key[session.opened.key_digest] = session
 
     def _path(self, session_id: str) -> Path:
         return self.store_dir / f"{session_id}.jsonl"

@@ -1,59 +1,88 @@
-"""The engine client: asks for exact token capture, retries what is worth retrying, checks the answer.
+"""The engine client: vLLM's token-in routes with exact capture, retries, and checks on every answer.
 
-The engine is vLLM or the embedded engine; both speak vLLM's chat API. Every chat call asks for
-the prompt and completion token ids, the sampled token's logprob and token-id strings, and the
-reply is refused unless ids, logprob tokens and usage all agree.
+The engine is vLLM (0.32+, started with `--enable-scale-out`) or the embedded engine; both answer
+`/v1/chat/completions/render` (messages → prompt ids with the server's own template),
+`/inference/v1/generate` (prompt ids → sampled ids, their logprobs, per-token weight versions) and
+`/v1/chat/completions/derender` (sampled ids → a chat message with the server's tool and reasoning
+parsers). A sample is refused unless its ids, logprobs and usage describe one and the same sample.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import time
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
 
 from proxy.capture import ids_text
-from proxy.engine_wire import CHAT_REPLY_DECODER, MODELS_DECODER, NULL, TOKENIZE_DECODER, ChatReply
+from proxy.engine_wire import (
+    DERENDER_DECODER,
+    GENERATE_DECODER,
+    MODELS_DECODER,
+    RENDER_DECODER,
+    TOKENIZE_DECODER,
+    AssistantMessage,
+    DerenderChoice,
+    DerenderRequest,
+    GenerateRequest,
+    GenerateResponse,
+    SamplingParams,
+    Usage,
+    WeightVersionSpan,
+)
 from proxy.errors import ProxyError
 
 POLICY_VERSION_HEADER = "x-policy-version"
-VLLM_HINT = ("start vLLM with `--logprobs-mode processed_logprobs --return-tokens-as-token-ids` "
-             "(and `--generation-config vllm`), version 0.10.2 or newer for return_token_ids")
+VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processed_logprobs "
+             "--return-tokens-as-token-ids --generation-config vllm` (`harness-rl serve vllm` does)")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
+# Two one-message replies the template renders alike but for their text: what follows the text in
+# both is how the template closes an assistant turn (the end-of-turn token, then a separator).
+_PROBE = [{"role": "user", "content": "hi"}]
+_PROBE_REPLIES = ("A", "B")
 
 _ENCODER = msgspec.json.Encoder()
 
 
-class EngineChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A chat request to the engine with exact capture on: prompt and sampled ids, sampled logprobs as ids.
+class ChatRender(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A render request: the conversation in the engine's chat form (messages and tools already encoded)."""
 
-    The capture fields have no defaults, so they are always written (omit_defaults drops only the
-    optional sampling fields left unset).
-    """
-
-    messages: list[msgspec.Raw]  # each message already encoded (its bytes are also what the log keeps)
-    return_token_ids: bool
-    logprobs: bool
-    top_logprobs: int
-    return_tokens_as_token_ids: bool
-    stream: bool
-    tools: Any = None  # the tools list already encoded (msgspec.Raw), or None
+    messages: list[msgspec.Raw]
+    add_generation_prompt: bool
+    tools: Any = None
     tool_choice: Any = None
-    temperature: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
 
-    @classmethod
-    def capturing(cls, messages: list[msgspec.Raw], **fields: Any) -> EngineChatRequest:
-        return cls(messages=messages, return_token_ids=True, logprobs=True, top_logprobs=0,
-                   return_tokens_as_token_ids=True, stream=False, **fields)
+
+class Rendered(msgspec.Struct, frozen=True):
+    """Prompt ids as the capture graph's token text (`1,2,3,`), and their count."""
+
+    text: bytes
+    count: int
+
+
+class Generated(msgspec.Struct, frozen=True):
+    """One checked sample: its ids and logprobs, why it ended, which weights produced which tokens."""
+
+    ids: list[int]
+    logps: list[float]
+    finish_reason: str
+    stop_reason: str | int | None
+    spans: list[WeightVersionSpan]
+    policy_version: int | None  # the engine's `x-policy-version` header (the embedded engine sends one)
+    attempts: int
+
+    @property
+    def ends_with_stop_token(self) -> bool:
+        """The last id is the stop token that ended the sample (EOS or a stop_token_ids hit), not text."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str) and bool(self.ids)
 
 
 class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -63,24 +92,29 @@ class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str | None = None
 
 
-class EngineCall(msgspec.Struct, frozen=True):
-    """One engine answer, checked: the reply, its prompt as token text, its policy version, attempts."""
-
-    reply: ChatReply
-    prompt_text: bytes
-    n_prompt: int
-    policy_version: int | None
-    attempts: int
+class EngineUnreachable(ProxyError):
+    """No answer came back (refused, reset, closed mid-reply): worth another attempt."""
 
 
 class EngineClient:
-    """One keep-alive connection pool to one engine URL."""
+    """One keep-alive connection pool to one engine URL.
 
-    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None) -> None:
+    `timeout_s` is the deadline of one call, retries and their waits included; replies larger than
+    `max_reply_bytes` are refused unread. The model name, context size and vocabulary size come
+    from the engine's `/v1/models`, asked until it answers.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float, retries: int, model: str | None = None,
+                 max_reply_bytes: int = 64 * 2**20, vocab_size: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.model = model
+        self.max_reply_bytes = max_reply_bytes
+        self.vocab_size = vocab_size
+        self.max_model_len: int | None = None
+        self._described = False
+        self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -96,73 +130,201 @@ class EngineClient:
         """The engine's model name, asked until the engine answers (agents may call the policy anything).
 
         Never cached while unknown: a proxy started beside an engine that is still loading heals as
-        soon as the engine serves.
+        soon as the engine serves. The same answer says the context and vocabulary sizes, if it does.
         """
-        if not self.model:
+        if not self._described:
             try:
                 status, body, _ = await self._send("GET", "/v1/models", None)
-                models = MODELS_DECODER.decode(body).data if status == 200 else []
+                cards = MODELS_DECODER.decode(body).data if status == 200 else []
             except (ProxyError, msgspec.DecodeError):
-                return None
-            self.model = str(models[0].get("id") or "") if models and isinstance(models[0], dict) else ""
+                return self.model or None
+            card = next((c for c in cards if c.id == self.model), cards[0] if cards else None)
+            if card is not None and card.id:
+                self._described = True
+                self.model = self.model or card.id
+                self.max_model_len = card.max_model_len
+                self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 
-    async def chat(self, request: EngineChatRequest) -> EngineCall:
-        """Send a capturing chat request and return the checked reply."""
-        model = await self.served_model()
-        if model:
-            request = msgspec.structs.replace(request, model=model)
-        status, data, headers, attempts = await self._send_with_retries("/v1/chat/completions",
-                                                                        _ENCODER.encode(request))
-        if status != 200:
-            raise _engine_error(self.url, status, data)
+    async def render(self, request: ChatRender) -> Rendered:
+        """The prompt ids of a conversation, rendered by the engine's own chat template."""
+        request = msgspec.structs.replace(request, model=await self.served_model())
+        data, _, _ = await self.post("/v1/chat/completions/render", _ENCODER.encode(request))
         try:
-            reply = CHAT_REPLY_DECODER.decode(data)
+            ids = bytes(RENDER_DECODER.decode(data).token_ids)
+            if self.vocab_size is not None:
+                _ids_below(self.vocab_size).decode(ids)
+        except msgspec.ValidationError:
+            raise ProxyError(502, f"the engine at {self.url} rendered a prompt id outside its {self.vocab_size}-token "
+                                  "vocabulary") from None
         except msgspec.DecodeError as exc:
-            raise ProxyError(502, f"the engine at {self.url} sent a chat reply this proxy cannot read: {exc}") from None
-        prompt_text, n_prompt = check_capture(reply, self.url)
+            raise ProxyError(502, f"the engine at {self.url} sent a render reply this proxy cannot read: {exc}") \
+                from None
+        rendered = ids_text(ids)
+        if not rendered or not rendered[1]:
+            raise ProxyError(502, f"the engine at {self.url} rendered no prompt ids")
+        return Rendered(*rendered)
+
+    async def generate(self, prompt: Rendered, sampling: SamplingParams) -> Generated:
+        """Sample from prompt ids; the answer is checked before anyone sees it."""
+        request = GenerateRequest(token_ids=msgspec.Raw(b"[" + prompt.text[:-1] + b"]"), sampling_params=sampling,
+                                  model=await self.served_model())
+        data, headers, attempts = await self.post("/inference/v1/generate", _ENCODER.encode(request))
+        try:
+            reply = GENERATE_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise ProxyError(502, f"the engine at {self.url} sent a generate reply this proxy cannot read: "
+                                  f"{exc}") from None
+        if len(reply.choices) != 1:
+            raise ProxyError(502, f"the engine at {self.url} returned {len(reply.choices)} choices, expected 1")
+        choice = reply.choices[0]
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        if choice.token_ids is None or entries is None:
+            raise ProxyError(502, f"the engine at {self.url} returned no sampled token ids or logprobs; {VLLM_HINT}")
+        ids, logps = choice.token_ids, [e.logprob for e in entries]
+        check_sample(self.url, ids, [e.token_id for e in entries], logps, self.vocab_size)
+        if reply.usage is not None:
+            check_usage(self.url, reply.usage, prompt.count, len(ids))
         version = headers.get(POLICY_VERSION_HEADER)
-        policy_version = int(version) if version and version.isdigit() else None
-        return EngineCall(reply, prompt_text, n_prompt, policy_version, attempts)
+        return Generated(ids, logps, choice.finish_reason or "stop", choice.stop_reason, choice.weight_versions or [],
+                         int(version) if version and version.isdigit() else None, attempts)
+
+    async def derender(self, sample: Generated, chat_request: bytes, prompt_tokens: int) -> AssistantMessage:
+        """The chat message the engine's parsers read from a sample's ids (a trailing stop token left out,
+        as the chat route leaves it out of the text)."""
+        ids = sample.ids[:-1] if sample.ends_with_stop_token else sample.ids
+        if not ids:
+            return AssistantMessage(content="")
+        request = DerenderRequest(generate_response=GenerateResponse([DerenderChoice(ids, sample.finish_reason)]),
+                                  chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt_tokens,
+                                  model=await self.served_model())
+        data, _, _ = await self.post("/v1/chat/completions/derender", _ENCODER.encode(request))
+        try:
+            message = DERENDER_DECODER.decode(data).choices[0].message
+        except (msgspec.DecodeError, IndexError) as exc:
+            raise ProxyError(502, f"the engine at {self.url} sent a derender reply this proxy cannot read: "
+                                  f"{exc}") from None
+        if isinstance(sample.stop_reason, str) and message.content:
+            # vLLM's derender does not apply stop strings; the chat route cuts the text before the match
+            cut = message.content.find(sample.stop_reason)
+            message = msgspec.structs.replace(message, content=message.content[:cut] if cut >= 0 else message.content)
+        return message
+
+    async def closing(self) -> tuple[int, bytes] | None:
+        """How the engine's template closes an assistant turn: the end-of-turn id, and the token text after it.
+
+        Learned once from two probe renders and kept; None (asked again next time) while the engine
+        cannot say, or when the template closes turns in a way this probe cannot read.
+        """
+        if self._closing is None:
+            renders = await asyncio.gather(*(self.render(ChatRender(
+                messages=[msgspec.Raw(_ENCODER.encode(m)) for m in [*_PROBE, {"role": "assistant", "content": r}]],
+                add_generation_prompt=False)) for r in _PROBE_REPLIES))
+            a, b = (r.text.split(b",")[:-1] for r in renders)
+            shared = 0
+            while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:
+                shared += 1
+            if shared == 0:
+                return None
+            suffix = a[len(a) - shared:]
+            self._closing = (int(suffix[0]), b"".join(t + b"," for t in suffix[1:]))
+        return self._closing
 
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
         """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
         body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
-        status, data, _, _ = await self._send_with_retries("/tokenize", _ENCODER.encode(body))
-        if status != 200:
-            raise _engine_error(self.url, status, data)
+        data, _, _ = await self.post("/tokenize", _ENCODER.encode(body))
         try:
             return TOKENIZE_DECODER.decode(data).count
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.url} sent a /tokenize reply this proxy cannot read: "
                                   f"{exc}") from None
 
-    async def _send_with_retries(self, path: str, payload: bytes) -> tuple[int, bytes, Any, int]:
+    async def post(self, path: str, payload: bytes) -> tuple[bytes, Any, int]:
+        status, data, headers, attempts = await self._send_with_retries(path, payload)
+        if status in (403, 404) and path != "/tokenize":
+            raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
+                                  f"{_error_message(data)}); {VLLM_HINT}")
+        if status != 200:
+            raise _engine_error(self.url, status, data, headers)
+        return data, headers, attempts
+
+    async def open_stream(self, path: str, payload: bytes) -> aiohttp.ClientResponse:
+        """POST for a streamed reply and return it open (the caller reads it, then releases it: closing it
+        early ends the engine's work). Retried as `post` until the engine answers 200; the deadline covers
+        the whole stream."""
+        status, response, headers, _ = await self._send_with_retries(path, payload, stream=True)
+        if isinstance(response, aiohttp.ClientResponse):
+            return response
+        if status in (403, 404):
+            raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
+                                  f"{_error_message(response)}); {VLLM_HINT}")
+        raise _engine_error(self.url, status, response, headers)
+
+    async def _send_with_retries(self, path: str, payload: bytes,
+                                 stream: bool = False) -> tuple[int, Any, Any, int]:
+        """POST, retrying 408/429/5xx answers and lost connections; every attempt and wait ends by one deadline.
+
+        A wait that would end past the deadline (a long Retry-After) is not waited: the last answer
+        (or error) is returned at once.
+        """
+        deadline = time.monotonic() + self.timeout_s
         delay = 0.2
-        for attempt in range(1, self.retries + 2):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                status, data, headers = await self._send("POST", path, payload)
-            except ProxyError as exc:
-                if exc.status != 502 or attempt > self.retries:
+                status, data, headers = await self._send("POST", path, payload, deadline, stream)
+            except EngineUnreachable:
+                if attempt > self.retries or time.monotonic() + delay >= deadline:
                     raise
+                wait = delay
             else:
                 if status not in RETRY_STATUSES or attempt > self.retries:
                     return status, data, headers, attempt
-                delay = _retry_after(headers.get("Retry-After"), delay)
-            await asyncio.sleep(delay)
+                wait = _retry_after(headers.get("Retry-After"), delay)
+                if time.monotonic() + wait >= deadline:
+                    return status, data, headers, attempt
+            await asyncio.sleep(wait)
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
-        raise AssertionError("unreachable")
 
-    async def _send(self, method: str, path: str, payload: bytes | None) -> tuple[int, bytes, Any]:
+    async def _send(self, method: str, path: str, payload: bytes | None, deadline: float | None = None,
+                    stream: bool = False) -> tuple[int, Any, Any]:
+        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now). With `stream`, a
+        200 reply is returned unread (the response itself, still open)."""
         assert self._http is not None, "EngineClient.start() was not awaited"
+        remaining = (deadline - time.monotonic()) if deadline is not None else self.timeout_s
         try:
-            async with self._http.request(method, self.url + path, data=payload,
-                                          headers={"Content-Type": "application/json"}) as resp:
-                return resp.status, await resp.read(), resp.headers
+            if remaining <= 0:
+                raise TimeoutError
+            resp = await self._http.request(method, self.url + path, data=payload,
+                                            headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=remaining))
+            if stream and resp.status == 200:
+                return resp.status, resp, resp.headers
+            async with resp:
+                return resp.status, await self._read(resp), resp.headers
         except TimeoutError:
             raise ProxyError(504, f"the engine at {self.url} did not answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
-            raise ProxyError(502, f"cannot reach the engine at {self.url}: {exc}") from None
+            raise EngineUnreachable(502, f"cannot reach the engine at {self.url}: {exc}") from None
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The reply's body, refused (502, not retried) past `max_reply_bytes`, before it is all read if possible."""
+        limit = self.max_reply_bytes
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        if resp.content_length is None:
+            chunks, size = [], 0
+            async for chunk in resp.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+            else:
+                return b"".join(chunks)
+        raise ProxyError(502, f"the engine at {self.url} sent a reply larger than {limit / 2**20:g} MB "
+                              "(--max-reply-mb)")
 
 
 def _retry_after(value: str | None, fallback: float) -> float:
@@ -179,8 +341,12 @@ def _retry_after(value: str | None, fallback: float) -> float:
         return fallback
 
 
-def _engine_error(url: str, status: int, data: bytes) -> ProxyError:
+def _engine_error(url: str, status: int, data: bytes, headers: Any = None) -> ProxyError:
+    """The agent's error for an engine's error: its 4xx as is, 429 with its Retry-After, anything else 502."""
     message = _error_message(data)
+    if status == 429:
+        retry_after = (headers or {}).get("Retry-After") or "1"
+        return ProxyError(429, f"the engine is rate limiting: {message}", headers={"Retry-After": retry_after})
     if 400 <= status < 500 and status not in RETRY_STATUSES:
         return ProxyError(status, f"the engine rejected the request: {message}")
     return ProxyError(502, f"the engine at {url} failed with HTTP {status}: {message}")
@@ -202,37 +368,32 @@ def _error_message(data: bytes) -> str:
     return str(decoded)[:500]
 
 
-def check_capture(reply: ChatReply, url: str) -> tuple[bytes, int]:
-    """Refuse a reply whose token ids, logprobs and usage do not describe one and the same sample.
+def check_usage(url: str, usage: Usage, prompt_tokens: int, sampled: int) -> None:
+    if usage.completion_tokens != sampled or usage.prompt_tokens != prompt_tokens:
+        raise ProxyError(502, f"the engine at {url} reported usage {usage.prompt_tokens}+{usage.completion_tokens} "
+                              f"tokens for a {prompt_tokens}-token prompt and {sampled} sampled ids")
 
-    Returns the prompt ids as the capture graph's token text, and their count.
-    """
-    if len(reply.choices) != 1:
-        raise ProxyError(502, f"the engine at {url} returned {len(reply.choices)} choices, expected 1")
-    choice = reply.choices[0]
-    content = choice.logprobs.content if choice.logprobs is not None else None
-    has_prompt = reply.prompt_token_ids != NULL
-    if not has_prompt or choice.token_ids is None or content is None:
-        missing = [name for name, absent in (("prompt_token_ids", not has_prompt),
-                                             ("choices[0].token_ids", choice.token_ids is None),
-                                             ("choices[0].logprobs.content", content is None)) if absent]
-        raise ProxyError(502, f"the engine at {url} returned no {', '.join(missing)}: token capture needs "
-                              f"return_token_ids and sampled-token logprobs; {VLLM_HINT}")
-    prompt = ids_text(bytes(reply.prompt_token_ids))
-    if not prompt or not prompt[1]:
-        raise ProxyError(502, f"the engine at {url} returned a prompt_token_ids that is not a non-empty array of "
-                              "token ids")
-    ids = choice.token_ids
-    if len(content) != len(ids):
-        raise ProxyError(502, f"the engine at {url} returned {len(content)} logprobs for {len(ids)} sampled tokens")
-    expected = [f"token_id:{i}" for i in ids]
-    actual = [entry.token for entry in content]
-    if actual != expected:
-        k = next(k for k, (a, e) in enumerate(zip(actual, expected, strict=True)) if a != e)
-        raise ProxyError(502, f"the engine at {url} returned logprob token {actual[k]!r} at position {k} for "
-                              f"sampled id {ids[k]}; {VLLM_HINT}")
-    prompt_text, n_prompt = prompt
-    if reply.usage is not None and (reply.usage.completion_tokens != len(ids) or reply.usage.prompt_tokens != n_prompt):
-        raise ProxyError(502, f"the engine at {url} reported usage {reply.usage.prompt_tokens}+"
-                              f"{reply.usage.completion_tokens} tokens but returned {n_prompt}+{len(ids)} ids")
-    return prompt_text, n_prompt
+
+def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float],
+                 vocab_size: int | None = None) -> None:
+    """Refuse a sample whose ids and logprobs do not describe one and the same sample of a distribution
+    (C-speed scans: ids inside the vocabulary when its size is known, logprobs finite and at most 0)."""
+    if len(logps) != len(ids):
+        raise ProxyError(502, f"the engine at {url} returned {len(logps)} logprobs for {len(ids)} sampled tokens")
+    if logprob_ids != ids:
+        k = next(k for k, (a, e) in enumerate(zip(logprob_ids, ids, strict=True)) if a != e)
+        raise ProxyError(502, f"the engine at {url} returned a logprob for token {logprob_ids[k]} at position {k} "
+                              f"of sampled id {ids[k]}; {VLLM_HINT}")
+    if ids and min(ids) < 0:
+        raise ProxyError(502, f"the engine at {url} returned a negative token id {min(ids)}")
+    if ids and vocab_size is not None and max(ids) >= vocab_size:
+        raise ProxyError(502, f"the engine at {url} returned token id {max(ids)}, outside its {vocab_size}-token "
+                              "vocabulary")
+    bad = next((lp for lp in logps if not math.isfinite(lp) or lp > 0), None)
+    if bad is not None:
+        raise ProxyError(502, f"the engine at {url} returned a logprob {bad!r} that is not finite and <= 0")
+
+
+@functools.cache
+def _ids_below(vocab_size: int) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])

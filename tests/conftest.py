@@ -16,6 +16,8 @@ import pytest
 if TYPE_CHECKING:
     from harness_rl.engine import Engine
 
+pytest_plugins = ["vllm_fixtures"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -68,8 +70,18 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake = fake_engine_server[0]
     fake.script.clear()
     fake.requests.clear()
+    fake.conversations.clear()
     fake.version = None
     fake.capture = True
+    fake.drift = False
+    fake.drop_reasoning = False
+    fake.open_thinking = False
+    fake.token_delay_s = 0.0
+    fake.stream_leak = None
+    fake.usage_offset = 0
+    fake.break_after = None
+    fake.aborted.clear()
+    fake.derender_steps.clear()
     return fake
 
 
@@ -81,4 +93,16 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
 
     with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
                                  retries=2)) as running:
+        yield running
+
+
+@pytest.fixture
+def keepalive_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
+    """A proxy that opens a slow call's stream with keep-alives after 0.1 s and never retries the engine."""
+    from harness_rl.background import serve_proxy
+    from proxy.config import ProxyConfig
+
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"), keepalive_s=0.1,
+                         retries=0, upstream_model="fake")
+    with serve_proxy(config) as running:
         yield running

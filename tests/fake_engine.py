@@ -1,10 +1,11 @@
-"""A fast fake engine speaking vLLM's chat capture API, for proxy tests and the proxy benchmark.
+"""A fast fake engine speaking vLLM 0.32's token-in routes, for proxy tests and the proxy benchmark.
 
 It answers in well under a millisecond with deterministic token ids and logprobs. Its "chat
-template" is prefix-stable like a real one (each message renders to the same ids wherever it sits,
-and an assistant message renders to exactly the ids that were sampled for it), so multi-turn
-conversations extend each other token-exactly. Tests steer it through plain attributes: scripted
-replies, injected failures, delays, a policy version header, or dropped capture fields.
+template" is prefix-stable like a real one (each message renders to the same ids wherever it sits);
+an assistant message renders to exactly the ids sampled for it, unless `drift` is set, when the
+template adds a token to it as real templates re-tokenise replies. Tests steer it through plain
+attributes: scripted replies, injected failures, delays, a policy version header, drift, or dropped
+capture fields.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-IM_START, IM_END, TOOL_CALL = 1, 2, 3
+IM_START, IM_END, TOOL_CALL, DRIFT, THINK = 1, 2, 3, 4, 5
 ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 TOOLS_ID = 14
 _ENCODER = msgspec.json.Encoder()
@@ -50,16 +51,35 @@ class Scripted:
     retry_after: str | None = None
     delay_s: float = 0.0
     finish_reason: str | None = None
+    synced_to: int | None = None  # a weight sync to this version lands after the completion's first token
 
 
 @dataclass
 class FakeEngine:
+    """vLLM's token-in routes (render, generate, derender), `/tokenize` and `/v1/models`, in microseconds.
+
+    `drift` makes the template re-render an assistant message differently from the ids sampled for it
+    (as real templates and BPE do), so only token in/token out keeps a conversation one chain.
+    """
+
     version: int | None = None
     capture: bool = True  # False: answer like a vLLM started without the capture flags
+    drift: bool = False
+    drop_reasoning: bool = False  # like Qwen3: an assistant's reasoning is rendered only in the last message
+    open_thinking: bool = False  # the generation prompt opens a thought the rendered replies do not hold
     script: deque[Scripted] = field(default_factory=deque)
-    requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # generate bodies
+    conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
     keep_requests: bool = True
+    token_delay_s: float = 0.0  # streamed generate: the pause before each step
+    stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
+    usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
+    break_after: int | None = None  # streamed generate: drop the connection after this many chunks
+    aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
+    derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
+    _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
+    _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
 
     def _ids(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -69,59 +89,58 @@ class FakeEngine:
             ids = self._cache[text] = text_ids(text)
         return ids
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+               add_generation_prompt: bool = True) -> list[int]:
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]
-        for m in messages:
+        for index, m in enumerate(messages):
             out += [IM_START, ROLE_IDS.get(m.get("role"), 15)]
-            out += self.assistant_ids(m) if m.get("role") == "assistant" else self._ids(_content(m.get("content")))
+            if m.get("role") == "assistant":
+                out += [DRIFT] if self.drift else []
+                out += self.assistant_ids(m, reasoning=not self.drop_reasoning or index == len(messages) - 1)
+            else:
+                out += self._ids(_content(m.get("content")))
             out.append(IM_END)
-        return out + [IM_START, ROLE_IDS["assistant"]]
+        return out + ([IM_START, ROLE_IDS["assistant"], *([THINK] if self.open_thinking else [])]
+                      if add_generation_prompt else [])
 
-    def assistant_ids(self, message: dict[str, Any]) -> list[int]:
-        """The ids an assistant message renders to: exactly what was sampled for it."""
-        out = self._ids(message.get("content") or "")
+    def assistant_ids(self, message: dict[str, Any], reasoning: bool = True) -> list[int]:
+        """The ids sampled for an assistant message (what the template renders too, unless it drifts)."""
+        out = [THINK, *self._ids(message["reasoning"])] if reasoning and message.get("reasoning") else []
+        out += self._ids(message.get("content") or "")
         for call in message.get("tool_calls") or ():
             f = call["function"]
             out = out + [TOOL_CALL, *self._ids(f["name"]), *self._ids(f["arguments"])]
         return out
 
-    def reply(self, body: dict[str, Any], scripted: Scripted | None) -> dict[str, Any]:
-        prompt = self.render(body["messages"], body.get("tools"))
+    def sample(self, prompt: list[int], scripted: Scripted | None) -> tuple[dict[str, Any], list[int], str]:
+        """The message, its completion ids (stop token included) and finish reason for a prompt."""
         message: dict[str, Any] = {"role": "assistant", "content": None}
         finish = "stop"
         if scripted is not None and scripted.tool is not None:
             name, args = scripted.tool
             message["tool_calls"] = [{"id": f"chatcmpl-tool-{len(prompt):x}", "type": "function",
                                       "function": {"name": name, "arguments": json.dumps(args)}}]
-            finish = "tool_calls"
         else:
             message["content"] = scripted.content if scripted and scripted.content is not None \
                 else f"answer after {len(prompt)} tokens"
         if scripted is not None and scripted.reasoning:
             message["reasoning"] = scripted.reasoning
-        if scripted is not None and scripted.finish_reason:
-            finish = scripted.finish_reason
         completion = self.assistant_ids(message) + [IM_END]
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "stop_reason": None}
-        out: dict[str, Any] = {"id": f"chatcmpl-{len(prompt)}", "object": "chat.completion", "created": 1,
-                               "model": body.get("model", "fake"), "choices": [choice],
-                               "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
-                                         "total_tokens": len(prompt) + len(completion)}}
-        if self.capture and body.get("return_token_ids"):
-            choice["token_ids"] = completion
-            out["prompt_token_ids"] = prompt
-        if self.capture and body.get("logprobs"):
-            choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": logprob_of(t), "bytes": None,
-                                               "top_logprobs": []} for t in completion]}
-        return out
+        if scripted is not None and scripted.finish_reason == "length":
+            finish, completion = "length", completion[:-1]
+        self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message
+        return message, completion, finish
 
     # ---------------------------------------------------------------- HTTP
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/chat/completions", self._chat)  # for the direct baseline and OpenEnv's proxy
+        app.router.add_post("/v1/chat/completions/render", self._render)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/v1/models", self._models)
         return app
@@ -130,6 +149,34 @@ class FakeEngine:
         return {"x-policy-version": str(self.version)} if self.version is not None else {}
 
     async def _chat(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        scripted = self.script.popleft() if self.script else None
+        prompt = self.render(body["messages"], body.get("tools"))
+        message, completion, finish = self.sample(prompt, scripted)
+        choice: dict[str, Any] = {"index": 0, "message": message, "stop_reason": None,
+                                  "finish_reason": "tool_calls" if message.get("tool_calls") else finish}
+        reply: dict[str, Any] = {"id": f"chatcmpl-{len(prompt)}", "object": "chat.completion", "created": 1,
+                                 "model": body.get("model", "fake"), "choices": [choice],
+                                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
+                                           "total_tokens": len(prompt) + len(completion)}}
+        if self.capture and body.get("return_token_ids"):
+            choice["token_ids"] = completion
+            reply["prompt_token_ids"] = prompt
+        if self.capture and body.get("logprobs"):
+            choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": logprob_of(t), "bytes": None,
+                                               "top_logprobs": []} for t in completion]}
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers())
+
+    async def _render(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        agp = body.get("add_generation_prompt", True)
+        if agp and self.keep_requests:
+            self.conversations.append(body)
+        ids = self.render(body["messages"], body.get("tools"), agp)
+        return web.Response(body=_ENCODER.encode({"token_ids": ids, "sampling_params": {}}),
+                            content_type="application/json")
+
+    async def _generate(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         if self.keep_requests:
             self.requests.append(body)
@@ -140,8 +187,95 @@ class FakeEngine:
             headers = {"Retry-After": scripted.retry_after} if scripted.retry_after else {}
             return web.Response(status=scripted.status, headers=headers, content_type="application/json",
                                 body=_ENCODER.encode({"error": {"message": f"scripted {scripted.status}"}}))
-        return web.Response(body=_ENCODER.encode(self.reply(body, scripted)), content_type="application/json",
-                            headers=self._headers())
+        prompt = body["token_ids"]
+        _, completion, finish = self.sample(prompt, scripted)
+        spans = [{"version": str(self.version) if self.version is not None else "default", "start": 0,
+                  "end": len(completion)}]
+        if scripted is not None and scripted.synced_to is not None:  # like vLLM's pause(mode=keep) mid-generation
+            self.version = scripted.synced_to
+            spans = [{**spans[0], "end": 1}, {"version": str(self.version), "start": 1, "end": len(completion)}]
+        if body.get("stream"):
+            self._streamed[tuple(prompt)] = {"message": self._sampled[tuple(completion[:-1] if finish == "stop"
+                                                                             else completion)], "ids": completion}
+            return await self._stream(request, body, completion, finish, spans)
+        choice: dict[str, Any] = {"index": 0, "token_ids": completion, "finish_reason": finish, "stop_reason": None,
+                                  "weight_versions": spans}
+        if self.capture:
+            choice["logprobs"] = {"content": [{"token_id": t, "logprob": logprob_of(t)} for t in completion]}
+        reply = {"request_id": f"generate-{len(prompt)}", "choices": [choice],
+                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}}
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers())
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], completion: list[int], finish: str,
+                      spans: list[dict[str, Any]]) -> web.StreamResponse:
+        """vLLM's streamed generate: one chunk per token (the last with the finish and the spans), then the usage."""
+        request_id = f"generate-{len(body['token_ids'])}"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers()})
+        await response.prepare(request)
+        events = []
+        for k, token in enumerate(completion):
+            last = k == len(completion) - 1
+            choice: dict[str, Any] = {"index": 0, "token_ids": [token], "finish_reason": finish if last else None,
+                                      "stop_reason": None, "weight_versions": spans if last else None}
+            if self.capture:
+                choice["logprobs"] = {"content": [{"token_id": token, "logprob": logprob_of(token)}]}
+            events.append({"request_id": request_id, "usage": None, "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({"request_id": request_id, "choices": [], "usage": {
+                "prompt_tokens": len(body["token_ids"]), "completion_tokens": len(completion) + self.usage_offset}})
+        try:
+            for sent, event in enumerate(events):
+                if sent == self.break_after and request.transport is not None:
+                    request.transport.close()
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                await response.write(b"data: " + _ENCODER.encode(event) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            self.aborted.append(request_id)
+        return response
+
+    async def _derender_step(self, body: dict[str, Any]) -> web.Response:
+        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token)."""
+        ids = body["generate_chunk"]["choices"][0]["token_ids"]
+        self.derender_steps.append(ids)
+        message = self._streamed[tuple(body["prompt_token_ids"])]["message"]
+        before = (body.get("stream_state") or {}).get("count", 0)
+        (r0, c0), (r1, c1) = self._text(message, before), self._text(message, before + len(ids))
+        delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
+        if self.stream_leak and delta["content"]:
+            delta["content"] += self.stream_leak
+        chunk = {"id": "chatcmpl-derendered", "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        return web.Response(body=_ENCODER.encode({"chunk": chunk, "stream_state": {"count": before + len(ids)}}),
+                            content_type="application/json")
+
+    def _text(self, message: dict[str, Any], count: int) -> tuple[str, str]:
+        """The reasoning and content of a message's first `count` sampled tokens."""
+        reasoning, content = message.get("reasoning") or "", message.get("content") or ""
+        thought = 1 + len(self._ids(reasoning)) if reasoning else 0
+        return _prefix(reasoning, count - 1 if reasoning else 0), _prefix(content, count - thought)
+
+    def _cut_short(self, ids: list[int]) -> dict[str, Any] | None:
+        """The message of a streamed sample cut short after `ids`."""
+        for streamed in self._streamed.values():
+            if streamed["ids"][:len(ids)] == ids:
+                reasoning, content = self._text(streamed["message"], len(ids))
+                return {"role": "assistant", "content": content, "reasoning": reasoning or None}
+        return None
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        if body.get("stream"):
+            return await self._derender_step(body)
+        choice = body["generate_response"]["choices"][0]
+        message = self._sampled.get(tuple(choice["token_ids"])) or self._cut_short(choice["token_ids"])
+        if message is None:
+            return web.Response(status=400, content_type="application/json",
+                                body=_ENCODER.encode({"error": {"message": "ids this fake never sampled"}}))
+        reply = {"id": "chatcmpl-derendered", "object": "chat.completion",
+                 "choices": [{"index": 0, "message": message, "finish_reason": choice.get("finish_reason")}]}
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
@@ -152,6 +286,11 @@ class FakeEngine:
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(body=b'{"object":"list","data":[{"id":"fake","object":"model"}]}',
                             content_type="application/json")
+
+
+def _prefix(text: str, tokens: int) -> str:
+    """The text of a message's first `tokens` tokens (4 UTF-8 bytes each), an unfinished character held back."""
+    return text.encode()[:max(tokens, 0) * 4].decode(errors="ignore") if tokens < len(text.encode()) / 4 else text
 
 
 def _content(content: Any) -> str:

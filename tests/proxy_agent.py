@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
+import msgspec
 
 from harness_rl.trace import TrainingTrace
+from proxy.chat import ChatMessage
 from proxy.server import RunningProxy
 
 BASH_SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}}
@@ -33,3 +36,11 @@ class Agent:
         got = httpx.get(f"{self.proxy.url}/sessions/{self.session['id']}/trace", headers=self.admin)
         assert got.status_code == 200, got.text
         return TrainingTrace.from_json(got.content).validate()
+
+
+def comparable(message: ChatMessage) -> dict[str, Any]:
+    """A neutral message for comparison, tool-call arguments parsed (the same JSON however an agent spelled it)."""
+    out: dict[str, Any] = msgspec.to_builtins(message)
+    for call in out.get("tool_calls", ()):
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return out

@@ -1,4 +1,5 @@
-"""Real agent CLIs end to end: opencode, Claude Code and mini-swe-agent each solve a shipped task.
+"""Real agent CLIs end to end: opencode, Claude Code, mini-swe-agent, codex (OpenAI Responses),
+gemini-cli (Google Gemini), qwen-coder, pi and aider each solve a shipped task.
 
 Each runs in the local sandbox (bubblewrap with `network="proxy-only"` when bubblewrap is
 installed: the agent can reach the proxy and nothing else) through the proxy and the embedded
@@ -89,6 +90,21 @@ async def run_once(proxy: RunningProxy, harness: str, task: Task) -> RolloutOutc
         return await RolloutScheduler([task], client, config, harness=create_harness(harness)).run_rollout(task, 0, 0)
 
 
+def assert_sampled_by_the_engine(engine_url: str, outcome: RolloutOutcome, forced: list[str]) -> None:
+    """Each agent turn's completion and logprobs are what the engine gives for the turn's prompt (rendered
+    for the first, spliced after) and its forced text."""
+    agents = [t for t in outcome.trace.turns if t.role == "agent"]
+    for turn, text in zip(agents, forced, strict=True):
+        has_tools = bool(turn.request.tools)
+        force(engine_url, tools=[text] if has_tools else [], no_tools=[] if has_tools else [text])
+        body = {"token_ids": turn.prompt_token_ids, "sampling_params": {
+            "temperature": turn.sampling.temperature, "max_tokens": turn.sampling.max_tokens, "logprobs": 0,
+            "skip_special_tokens": False}}
+        got = httpx.post(f"{engine_url}/inference/v1/generate", json=body, timeout=300).json()["choices"][0]
+        assert turn.completion_token_ids == got["token_ids"]
+        assert turn.per_token_logps == pytest.approx([e["logprob"] for e in got["logprobs"]["content"]], abs=1e-4)
+
+
 def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     """Reward 1, a valid trace with `agent_turns` linked agent turns, exact masks, and rows the learner takes."""
     assert outcome.error is None, outcome.error
@@ -100,8 +116,8 @@ def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
     for turn in trace.turns:
         assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
     assert agents[0].finish_reason == "tool_calls" and agents[0].request.tools
-    for parent, child in zip(agents, agents[1:], strict=False):
-        assert child.parent_id == parent.node_id
+    for parent, child in zip(agents, agents[1:], strict=False):  # token in, token out: one chain
+        assert child.parent_id == parent.node_id and child.prompt_source == "spliced"
         assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
     rows = trace_rows(trace)
     assert sum(row.n_trained for row in rows) == sum(len(t.completion_token_ids) for t in agents)
@@ -113,33 +129,79 @@ def assert_trainable(outcome: RolloutOutcome, agent_turns: int) -> None:
 
 
 async def test_opencode_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("bash", {"command": GREETING, "description": "Write the greeting"}), "Done."],
+    force(engine_url, tools=[tool_call("bash", {"command": GREETING, "description": "Write the greeting"}),
+                             tool_call("bash", {"command": "cat greeting.txt", "description": "Check it"}), "Done."],
           no_tools=["Greeting file"] * 3)
     outcome = await run_once(proxy, "opencode", load_task(TASKS / "write-greeting"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"bash": 1} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"bash": 2} and outcome.tool_failure_count == 0
     assert outcome.completion == "Done."
-    assert sorted(t.role for t in outcome.trace.turns) == ["agent", "agent", "auxiliary"]
+    assert sorted(t.role for t in outcome.trace.turns) == ["agent", "agent", "agent", "auxiliary"]
     title = next(t for t in outcome.trace.turns if t.role == "auxiliary")
     assert not title.request.tools and title.parent_id is None
 
 
 async def test_claude_code_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("Bash", {"command": FIX, "description": "Fix the off-by-one"}),
+    force(engine_url, tools=[tool_call("Bash", {"command": "cat mathlib.py", "description": "Read the code"}),
+                             tool_call("Bash", {"command": FIX, "description": "Fix the off-by-one"}),
                              "Fixed the bug."])
     outcome = await run_once(proxy, "claude-code", load_task(TASKS / "fix-off-by-one"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"Bash": 1} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"Bash": 2} and outcome.tool_failure_count == 0
     assert outcome.completion == "Fixed the bug."
-    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
     request = outcome.trace.turns[0].request
     assert request.messages[0]["role"] == "system" and "billing-header" not in json.dumps(request.messages)
 
 
 async def test_mini_swe_agent_solves_fix_off_by_one(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
-    force(engine_url, tools=[tool_call("bash", {"command": FIX}), tool_call("bash", {"command": SUBMIT})])
+    force(engine_url, tools=[tool_call("bash", {"command": "cat mathlib.py"}), tool_call("bash", {"command": FIX}),
+                             tool_call("bash", {"command": SUBMIT})])
     outcome = await run_once(proxy, "mini-swe-agent", load_task(TASKS / "fix-off-by-one"))
-    assert_trainable(outcome, agent_turns=2)
-    assert outcome.tool_calls_by_name == {"bash": 2} and outcome.tool_failure_count == 0
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {"bash": 3} and outcome.tool_failure_count == 0
     assert outcome.completion == "Submitted"
-    assert [t.role for t in outcome.trace.turns] == ["agent", "agent"]
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+
+
+@pytest.mark.parametrize(("harness", "tool", "argument", "counted", "dialect"), [
+    ("codex", "exec_command", "cmd", "command_execution", "openai_responses"),
+    ("gemini-cli", "run_shell_command", "command", "run_shell_command", "google_gemini")])
+async def test_responses_and_gemini_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str,
+                                                      harness: str, tool: str, argument: str, counted: str,
+                                                      dialect: str) -> None:
+    forced = [tool_call(tool, {argument: "cat mathlib.py"}), tool_call(tool, {argument: FIX}), "Finished the task."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, harness, load_task(TASKS / "fix-off-by-one"))
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {counted: 2} and outcome.tool_failure_count == 0
+    assert outcome.completion == "Finished the task."
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+    assert {t.metadata["dialect"] for t in outcome.trace.turns} == {dialect}
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+@pytest.mark.parametrize(("harness", "tool"), [("qwen-coder", "run_shell_command"), ("pi", "bash")])
+async def test_chat_clis_solve_a_task(agent_clis: Path, proxy: RunningProxy, engine_url: str, harness: str,
+                                      tool: str) -> None:
+    forced = [tool_call(tool, {"command": GREETING}), tool_call(tool, {"command": "cat greeting.txt"}), "Done."]
+    force(engine_url, tools=forced)
+    outcome = await run_once(proxy, harness, load_task(TASKS / "write-greeting"))
+    assert_trainable(outcome, agent_turns=3)
+    assert outcome.tool_calls_by_name == {tool: 2} and outcome.tool_failure_count == 0
+    assert [t.role for t in outcome.trace.turns] == ["agent", "agent", "agent"]
+    assert_sampled_by_the_engine(engine_url, outcome, forced)
+
+
+async def test_aider_solves_write_greeting(agent_clis: Path, proxy: RunningProxy, engine_url: str) -> None:
+    """aider has no tools: its edit is the reply's text, a file name then the whole content in a fence."""
+    forced = ["greeting.txt\n```\nhello harness-rl\n```\n"]
+    force(engine_url, tools=[], no_tools=forced)
+    outcome = await run_once(proxy, "aider", load_task(TASKS / "write-greeting"))
+    assert outcome.error is None and outcome.reward == 1.0 and outcome.exit_code == 0
+    trace = outcome.trace.validate()
+    assert [t.role for t in trace.turns] == ["agent"] and not trace.turns[0].request.tools
+    turn = trace.turns[0]
+    assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+    assert outcome.tool_calls_by_name == {"edit": 1}
+    assert_sampled_by_the_engine(engine_url, outcome, forced)

@@ -17,8 +17,10 @@ HEAVY = ("torch", "transformers")
     "import harness_rl.outcome",
     "import proxy",
     "import adapters",
+    "import harness_rl.vllm_server",
     "from harness_rl.cli import build_parser; build_parser()",
     "import harness_rl.viewer.load, harness_rl.viewer.page, harness_rl.viewer.tokens",
+    "import harness_rl.doctor",
 ])
 def test_light_imports_leave_torch_out(statement: str) -> None:
     code = f"{statement}; import sys; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"

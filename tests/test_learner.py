@@ -228,3 +228,23 @@ def test_mismatch_is_measured_on_tokens_sampled_by_the_current_weights(model_dir
     assert shifted["mismatch_kl"] == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-3)
     stale = learner.step([group(version=0, shift=0.0)])  # sampled two versions ago: not a same-weights measure
     assert "mismatch_kl" not in stale
+
+
+def test_every_sync_is_checked_by_sampling_from_the_engine(tiny_model_dir):
+    from harness_rl.background import BackgroundLoop
+    from harness_rl.engine import Engine, serve_in_thread
+    from harness_rl.sync_check import SyncCheck
+    from harness_rl.weight_sync import InProcessSync, NoSync
+
+    engine = Engine.from_pretrained(tiny_model_dir)
+    measured = {}
+    with BackgroundLoop("sync-check") as loop, serve_in_thread(engine) as server:
+        for seed, name, sync in ((0, "synced", InProcessSync(engine)), (1, "never synced", NoSync())):
+            learner = Learner(tiny_model_dir, config(learning_rate=1e-2, lr_scheduler="constant", warmup_steps=0),
+                              weight_sync=sync, metrics=quiet(), sync_check=SyncCheck(server.url, loop, 1.0))
+            measured[name] = learner.step(make_groups(2, seed=seed))
+            learner.close()
+    engine.close()
+    assert measured["synced"]["sync/logp_difference_max"] < 1e-5  # the engine serves exactly the learner's weights
+    assert measured["synced"]["sync/mismatch_kl"] < 1e-10
+    assert measured["never synced"]["sync/logp_difference_max"] > 1e-3  # the engine kept older weights: caught

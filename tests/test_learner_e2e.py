@@ -30,6 +30,8 @@ from proxy.config import ProxyConfig
 
 GROUP_SIZE = 8
 STEPS = 24
+# Overlapped rollouts learn from staler groups; on a loaded 2-core box 24 steps fell just short of +0.4.
+OVERLAP_STEPS = 32
 MAX_TOKENS = 16
 QUESTION = [{"role": "user", "content": "Count from one to ten."}]
 
@@ -156,8 +158,8 @@ def test_it_still_learns_through_the_one_training_loop_while_rollouts_overlap_tr
     digits = digit_ids(AutoTokenizer.from_pretrained(tiny_model_dir))
     config = resolve({"preset": "demo", "engine": {"model": str(tiny_model_dir)},
                       "rollouts": {"num_generations": GROUP_SIZE, "max_concurrent_rollouts": GROUP_SIZE},
-                      "learner": {"max_steps": STEPS, "learning_rate": 1e-2, "token_budget": 4096, "max_staleness": 3,
-                                  "loss": {"decoupled": True}},
+                      "learner": {"max_steps": OVERLAP_STEPS, "learning_rate": 1e-2, "token_budget": 4096,
+                                  "max_staleness": 3, "loss": {"decoupled": True}},
                       "output": {"output_dir": str(tmp_path / "run"), "save_every": 0}})
     run = build_run(config, harness=TwoTurnChat(), reward_fn=lambda outcome: digit_share(outcome.trace, digits))
     try:
@@ -171,7 +173,8 @@ def test_it_still_learns_through_the_one_training_loop_while_rollouts_overlap_tr
     trained = [r for r in records if r["batch/trained_tokens_per_step"]]
     # every step counts toward max_steps; one with nothing to learn from (all stale, or no reward variance)
     # skips the update, so the engine's version counts only the steps that trained
-    assert len(records) == STEPS and engine.policy_version == learner.policy_version == len(trained) >= STEPS // 2
+    assert len(records) == OVERLAP_STEPS
+    assert engine.policy_version == learner.policy_version == len(trained) >= OVERLAP_STEPS // 2
     assert max(r["sample/staleness_max"] for r in trained) >= 1  # training really overlapped sampling
     start, end = sum(r["reward"] for r in records[:3]) / 3, sum(r["reward"] for r in records[-3:]) / 3
     assert start < 0.15 and end > start + 0.4, [round(r["reward"], 3) for r in records]

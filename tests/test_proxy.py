@@ -53,17 +53,17 @@ def test_chat_turn_is_captured_exactly(fake_proxy: RunningProxy, fake_engine: Fa
     call = answer["choices"][0]["message"]["tool_calls"][0]
     assert call["function"] == {"name": "bash", "arguments": '{"cmd": "ls"}'}
     sent = fake_engine.requests[-1]
-    assert sent["return_token_ids"] is True and sent["logprobs"] is True and sent["top_logprobs"] == 0
-    assert sent["return_tokens_as_token_ids"] is True and sent["stream"] is False
-    assert sent["temperature"] == 1.0 and "top_p" not in sent and sent["max_tokens"] == 50
-    assert sent["model"] == "fake"
+    assert sent["sampling_params"] == {"logprobs": 0, "skip_special_tokens": False, "temperature": 1.0,
+                                       "max_tokens": 50}
+    assert sent["model"] == "fake" and sent["token_ids"] == fake_engine.render(
+        fake_engine.conversations[0]["messages"], fake_engine.conversations[0]["tools"])
 
     messages += [answer["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"], "content": "a.txt"}]
     second = agent.chat(messages, tools=TOOLS)
     assert second.status_code == 200
     trace = agent.trace()
     t1, t2 = trace.turns
-    expected_prompt = fake_engine.render(fake_engine.requests[0]["messages"], fake_engine.requests[0]["tools"])
+    expected_prompt = fake_engine.requests[0]["token_ids"]
     expected_completion = fake_engine.assistant_ids(answer["choices"][0]["message"]) + [IM_END]
     assert t1.prompt_token_ids == expected_prompt
     assert t1.completion_token_ids == expected_completion
@@ -103,8 +103,8 @@ def test_streaming_chat_with_tool_call_deltas_and_usage(fake_proxy: RunningProxy
     assert chunks[4]["choices"][0]["finish_reason"] == "tool_calls"
     assert chunks[5]["choices"] == [] and chunks[5]["usage"]["prompt_tokens"] > 0
     assert all("token_ids" not in c and "prompt_token_ids" not in c for c in chunks)
-    assert fake_engine.requests[-1]["stream"] is False and "stream_options" not in fake_engine.requests[-1]
-    assert fake_engine.requests[-1]["return_token_ids"] is True
+    assert fake_engine.requests[-1]["stream"] is True  # sampled as a stream, with the usage to check it against
+    assert fake_engine.requests[-1]["stream_options"] == {"include_usage": True}
     assert agent.trace().turns[0].metadata["stream"] is True
 
 
@@ -161,7 +161,7 @@ def test_client_api(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
                                       json={"model": "m", "messages": [{"role": "user", "content": "q"}],
                                             "max_tokens": 99}, headers={"Authorization": f"Bearer {info.key}"})
             assert got.status_code == 200
-            assert fake_engine.requests[-1]["max_tokens"] == 10
+            assert fake_engine.requests[-1]["sampling_params"]["max_tokens"] == 10
             trace = await client.get_trace(info.id)
             assert len(trace.turns) == 1 and trace.metadata["task"] == "x"
             assert trace.turns[0].sampling.max_tokens == 10
@@ -186,6 +186,22 @@ def test_policy_version_falls_back_to_the_admin_value(fake_proxy: RunningProxy, 
     fake_engine.version = 13
     assert agent.chat([{"role": "user", "content": "c"}]).status_code == 200
     assert [t.policy_version for t in agent.trace().turns] == [None, 12, 13]
+
+
+def test_a_sync_during_a_reply_records_both_versions_and_rows_use_each(fake_proxy: RunningProxy,
+                                                                        fake_engine: FakeEngine) -> None:
+    from harness_rl.rows import trace_rows
+
+    agent = Agent(fake_proxy)
+    httpx.post(f"{fake_proxy.url}/admin/policy_version", json={"version": 7}, headers=agent.admin)
+    fake_engine.script.append(Scripted(content="straddles a sync", synced_to=8))  # vLLM says "default", then "8"
+    assert agent.chat([{"role": "user", "content": "a"}]).status_code == 200
+    turn = agent.trace().turns[0]
+    n = len(turn.completion_token_ids)
+    assert [(s.version, s.start, s.end) for s in turn.version_spans] == [(7, 0, 1), (8, 1, n)]
+    assert turn.policy_version == 7 and turn.token_versions == [7] + [8] * (n - 1)
+    (row,) = trace_rows(agent.trace())
+    assert row.versions[-n:] == [7] + [8] * (n - 1)  # the staleness filter and IS weights see each token's version
 
 
 def test_step_budget_answers_without_the_engine(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
@@ -419,7 +435,7 @@ def test_models_route(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None
 
 
 def test_unknown_route_is_a_json_404(fake_proxy: RunningProxy) -> None:
-    got = httpx.post(f"{fake_proxy.url}/v1/responses", json={})
+    got = httpx.post(f"{fake_proxy.url}/v1/embeddings", json={})
     assert got.status_code == 404 and "Not Found" in got.json()["error"]["message"]
     assert httpx.get(f"{fake_proxy.url}/v1/messages").status_code == 405
 

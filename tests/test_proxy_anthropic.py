@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -12,9 +11,7 @@ import pytest
 from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent
 
-from harness_rl.background import serve_proxy
 from proxy.anthropic import signature_for
-from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
 
 TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
@@ -61,13 +58,14 @@ def test_messages_translate_to_chat_and_back(fake_proxy: RunningProxy, fake_engi
     assert tool_use["id"].startswith("toolu_")
     assert answer["stop_reason"] == "tool_use"
     assert answer["usage"]["input_tokens"] > 0 and answer["usage"]["output_tokens"] > 0
-    sent = fake_engine.requests[-1]
+    sent = fake_engine.conversations[-1]
     assert sent["messages"][:3] == [{"role": "system", "content": "You are Claude Code.\nBe careful."},
                                     {"role": "system", "content": "Inner system note."},
                                     {"role": "user", "content": "List files."}]
     assert sent["tools"] == [{"type": "function", "function": {"name": "Bash", "description": "Run a command",
                                                                "parameters": {"type": "object"}}}]
-    assert sent["max_tokens"] == 32000 and sent["temperature"] == 1.0
+    sampling = fake_engine.requests[-1]["sampling_params"]
+    assert sampling["max_tokens"] == 32000 and sampling["temperature"] == 1.0
     assert "thinking" not in sent and "metadata" not in sent and "system" not in sent
 
     messages += [{"role": "assistant", "content": answer["content"]},
@@ -77,7 +75,7 @@ def test_messages_translate_to_chat_and_back(fake_proxy: RunningProxy, fake_engi
     fake_engine.script.append(Scripted(content="It is a.py."))
     second = post(agent, "/v1/messages", claude_code_body(messages)).json()
     assert second["content"] == [{"type": "text", "text": "It is a.py."}] and second["stop_reason"] == "end_turn"
-    sent = fake_engine.requests[-1]["messages"]
+    sent = fake_engine.conversations[-1]["messages"]
     assert sent[3] == {"role": "assistant", "reasoning": "look first",
                        "tool_calls": [{"id": tool_use["id"], "type": "function",
                                        "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}
@@ -167,20 +165,17 @@ def test_budget_stop_in_anthropic_dialect(fake_proxy: RunningProxy, fake_engine:
     assert len(agent.trace().turns) == 1
 
 
-def test_engine_failure_after_keepalives_is_an_error_event(fake_engine_server: tuple, fake_engine: FakeEngine,
-                                                           tmp_path: Path) -> None:
-    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), keepalive_s=0.1, retries=0,
-                         upstream_model="fake")
-    with serve_proxy(config) as running:
-        agent = Agent(running)
-        fake_engine.script.append(Scripted(delay_s=0.3, status=503))
-        got = post(agent, "/v1/messages", claude_code_body([{"role": "user", "content": "x"}], stream=True))
-        assert got.status_code == 200 and got.text.startswith(": keepalive\n\n")
-        name, data = sse(got.text.replace(": keepalive\n\n", ""))[-1]
-        assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
-        assert "HTTP 503" in data["error"]["message"]
-        client = anthropic.Anthropic(base_url=agent.session["anthropic_base_url"], api_key="k")
-        fake_engine.script.append(Scripted(delay_s=0.3, status=503))
-        with pytest.raises(anthropic.APIStatusError):
-            with client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "y"}]) as s:
-                s.get_final_message()
+def test_engine_failure_after_keepalives_is_an_error_event(keepalive_proxy: RunningProxy,
+                                                           fake_engine: FakeEngine) -> None:
+    agent = Agent(keepalive_proxy)
+    fake_engine.script.append(Scripted(delay_s=0.3, status=503))
+    got = post(agent, "/v1/messages", claude_code_body([{"role": "user", "content": "x"}], stream=True))
+    assert got.status_code == 200 and got.text.startswith(": keepalive\n\n")
+    name, data = sse(got.text.replace(": keepalive\n\n", ""))[-1]
+    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
+    assert "HTTP 503" in data["error"]["message"]
+    client = anthropic.Anthropic(base_url=agent.session["anthropic_base_url"], api_key="k")
+    fake_engine.script.append(Scripted(delay_s=0.3, status=503))
+    with pytest.raises(anthropic.APIStatusError):
+        with client.messages.stream(model="m", max_tokens=5, messages=[{"role": "user", "content": "y"}]) as s:
+            s.get_final_message()

@@ -20,8 +20,9 @@ def build(turns: list[tuple[str, list[int], list[int], bool, float]]) -> Capture
 
 
 def node(node_id: str, prompt: list[int], completion: list[int], tools: bool, started: float) -> Node:
+    """A turn whose request is its prompt: two turns with one prompt are one request sent twice (a retry)."""
     return Node(node_id, len(token_text(prompt)), len(token_text(prompt + completion)) - len(token_text(prompt)),
-                tools, started)
+                tools, started, request_key=token_text(prompt))
 
 
 def linear_chat() -> list[tuple[str, list[int], list[int], bool, float]]:

@@ -159,3 +159,83 @@ def test_forced_completion_queue_is_left_clean(engine_url: str) -> None:
 def test_path_of_store_is_per_session(proxy: RunningProxy) -> None:
     session = new_session(proxy)
     assert (Path(proxy.proxy.registry.store_dir) / f"{session['id']}.jsonl").exists()
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "bash", "description": "Run a shell command.",
+                    "parameters": OPENAI_TOOLS[0]["function"]["parameters"], "strict": False}]
+
+
+def test_openai_responses_sdk_function_call_round_trip_stream_and_not(proxy: RunningProxy, engine_url: str) -> None:
+    session = new_session(proxy)
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["key"])
+    force(engine_url, tools=[TOOL_TEXT, "All done.", "You are welcome."])
+    items: list[Any] = [{"role": "developer", "content": "You are a coding agent."},
+                        {"role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    first = client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "bash" and json.loads(call.arguments) == {"command": "ls"}
+    assert first.status == "completed" and first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                   "output": "README.md"}]
+    counted = client.responses.input_tokens.count(model="policy", input=items, tools=RESPONSES_TOOLS)
+    with client.responses.stream(model="policy", input=items, tools=RESPONSES_TOOLS) as stream:
+        kinds = [event.type for event in stream]
+        second = stream.get_final_response()
+    assert second.output_text == "All done." and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    third = client.responses.create(model="policy", input="Thanks.", previous_response_id=second.id,
+                                    tools=RESPONSES_TOOLS, stream=True)
+    final = [event for event in third if event.type == "response.completed"][0].response
+    assert final.output_text == "You are welcome."
+
+    trace = trace_of(proxy, session)
+    t1, t2, t3 = trace.turns
+    assert_turn_is_the_engines(engine_url, t1, TOOL_TEXT)
+    assert_turn_is_the_engines(engine_url, t2, "All done.")
+    assert t2.parent_id == t1.node_id and t3.parent_id == t2.node_id
+    assert [t.prompt_source for t in trace.turns] == ["rendered", "spliced", "spliced"]  # previous_response_id too
+    assert t3.prompt_token_ids[:len(t2.sequence)] == t2.sequence
+    assert (first.usage.input_tokens, first.usage.output_tokens) == (len(t1.prompt_token_ids),
+                                                                     len(t1.completion_token_ids))
+    assert counted.input_tokens == len(t2.prompt_token_ids)  # exact: the engine's own template
+    assert t1.request.messages[0] == {"role": "system", "content": "You are a coding agent."}
+    assert t1.metadata["dialect"] == "openai_responses"
+
+
+def test_google_genai_sdk_function_call_round_trip_stream_and_not(proxy: RunningProxy, engine_url: str) -> None:
+    from google import genai
+    from google.genai import types
+
+    session = new_session(proxy)
+    client = genai.Client(api_key=session["key"], http_options=types.HttpOptions(base_url=session["gemini_base_url"]))
+    declaration = types.FunctionDeclaration(name="bash", description="Run a shell command.",
+                                            parameters_json_schema=OPENAI_TOOLS[0]["function"]["parameters"])
+    config = types.GenerateContentConfig(system_instruction="You are a coding agent.",
+                                         tools=[types.Tool(function_declarations=[declaration])])
+    force(engine_url, tools=[TOOL_TEXT, "All done."], no_tools=["Hello."])
+    contents: list[Any] = [types.Content(role="user", parts=[types.Part(text="List the files.")])]
+    first = client.models.generate_content(model="policy", contents=contents, config=config)
+    (call,) = first.function_calls or []
+    assert call.name == "bash" and call.args == {"command": "ls"}
+    assert first.candidates[0].finish_reason == types.FinishReason.STOP
+    contents += [first.candidates[0].content, types.Content(role="user", parts=[
+        types.Part.from_function_response(name="bash", response={"output": "README.md"})])]
+    chunks = list(client.models.generate_content_stream(model="policy", contents=contents, config=config))
+    assert "".join(c.text or "" for c in chunks) == "All done."
+    usage = chunks[-1].usage_metadata
+    counted = client.models.count_tokens(model="policy", contents="Say hello.")
+    plain = client.models.generate_content(model="policy", contents="Say hello.")
+    assert plain.text == "Hello."
+
+    trace = trace_of(proxy, session)
+    t1, t2, t3 = trace.turns
+    assert_turn_is_the_engines(engine_url, t1, TOOL_TEXT)
+    assert_turn_is_the_engines(engine_url, t2, "All done.")
+    assert t2.parent_id == t1.node_id and t2.prompt_token_ids[:len(t1.sequence)] == t1.sequence
+    assert [t.prompt_source for t in trace.turns] == ["rendered", "spliced", "rendered"]
+    assert t2.request.messages[3] == {"role": "tool", "tool_call_id": t1.reply.tool_calls[0].id, "content": "README.md"}
+    assert (usage.prompt_token_count, usage.candidates_token_count) == (len(t2.prompt_token_ids),
+                                                                        len(t2.completion_token_ids))
+    assert counted.total_tokens == len(t3.prompt_token_ids)  # exact: the engine's own template
+    assert t1.metadata["dialect"] == "google_gemini"
+    assert session["key"] not in trace.to_json().decode()

@@ -4,7 +4,7 @@ import pytest
 
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.samples import build_samples
-from harness_rl.trace import Sampling, TrainingTrace, Turn
+from harness_rl.trace import Sampling, TrainingTrace, Turn, VersionSpan
 
 
 def outcome(rid, reward, versions=(0,), n_completion=2):
@@ -57,6 +57,20 @@ def test_stale_tokens_are_dropped_per_turn_and_stay_as_context():
     assert metrics["sample/dropped_stale_total"] == 2
     assert metrics["sample/staleness_max"] == 2
     assert metrics["sample/staleness_mean"] == pytest.approx(2 * 2 / 6)
+
+
+def test_a_completion_that_straddled_a_sync_is_treated_token_by_token():
+    straddled = outcome("a", 1.0, versions=(2,), n_completion=4)
+    turn = straddled.trace.turns[0]
+    turn.version_spans = [VersionSpan(version=2, start=0, end=3), VersionSpan(version=5, start=3, end=4)]
+    group = RolloutGroup(group_id=0, task="t", outcomes=[straddled, outcome("b", 0.0, versions=(6,))])
+    samples, metrics = build_samples([group], policy_version=6, max_staleness=2, normalization="token")
+    row = samples[0].row
+    assert row.mask == [0, 0, 0, 0, 0, 1]  # the 3 tokens of version 2 are 4 versions old, the last is 1
+    assert row.versions[-1] == 5 and metrics["sample/dropped_stale_total"] == 3
+    assert turn.token_versions == [2, 2, 2, 5] and straddled.trace.validate()
+    turn.version_spans = [VersionSpan(version=2, start=0, end=3)]
+    assert straddled.trace.violations()[0].rule == "invalid_policy_version"
 
 
 def test_per_rollout_normalisation_weighs_rollouts_equally():

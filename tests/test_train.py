@@ -261,3 +261,33 @@ def test_train_with_the_real_opencode_cli_runs_to_the_end(tmp_path: Path) -> Non
     assert [int(row["step"]) for row in read_metrics(out)] == [1, 2]
     captured = [log.count('"kind":"turn"') for log in session_logs(out)]
     assert sum(1 for n in captured if n >= 2) >= 16  # two groups of 8, each opencode run: title call + agent call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("harness", "dialect"), [("codex", "openai_responses"), ("gemini-cli", "google_gemini")])
+def test_train_with_the_responses_and_gemini_clis_runs_to_the_end(tmp_path: Path, harness: str, dialect: str) -> None:
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip(f"npm/node are not installed: {harness} cannot be installed")
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([str(root / "scripts" / "install_agents.sh")], check=True, capture_output=True, timeout=900)
+    out = tmp_path / "run"
+    done = subprocess.run([*TRAIN, "--harness", harness, "--model", "tiny", "--max-steps", "1",
+                           "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [int(row["step"]) for row in read_metrics(out)] == [1]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8 and all(r["error"] is None and r["reward"] is not None for r in rollouts)
+    for rollout in rollouts:
+        turns = json.loads((out / rollout["trace"]).read_text())["turns"]
+        assert turns and all(t["metadata"]["dialect"] == dialect for t in turns)
+
+
+def test_the_proxy_of_a_run_knows_the_models_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from harness_rl.train import _vocab_size
+
+    assert _vocab_size(tiny_model_dir) == AutoConfig.from_pretrained(tiny_model_dir).vocab_size > 0
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')  # a multimodal model's layout
+    assert _vocab_size(tmp_path) == 151936
+    assert _vocab_size(tmp_path / "missing") is None

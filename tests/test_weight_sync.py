@@ -142,7 +142,7 @@ def test_a_failing_step_raises_a_clear_error_and_still_resumes(vllm, model, rout
     sync.init()
     vllm.calls.clear()
     vllm.fail[route] = 500
-    with pytest.raises(WeightSyncError, match=f"POST {route} failed: HTTP 500: .*exploded"):
+    with pytest.raises(WeightSyncError, match=f"POST {route}(\\?[^ ]*)? failed: HTTP 500: .*exploded"):
         sync.push(model, version=1)
     sync.close()
     assert vllm.calls[-1] == "POST /resume"
@@ -249,7 +249,8 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
     try:
         with serve_in_thread(engine) as server:
             sync = HttpEngineSync(server.url, loop, timeout_s=30)
-            with pytest.raises(WeightSyncError, match=r"POST /update_weights_from_bytes failed: HTTP 400: .*shape"):
+            with pytest.raises(WeightSyncError,
+                               match=r"POST /update_weights_from_bytes\?version=1 failed: HTTP 400: .*shape"):
                 sync.push(wrong, version=1)
             sync.close()
             assert not engine.is_paused and engine.policy_version == 0

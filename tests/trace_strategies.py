@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness_rl.trace import ROLES, Reply, Request, Sampling, ToolCall, TrainingTrace, Turn
+from harness_rl.trace import ROLES, Reply, Request, Sampling, ToolCall, TrainingTrace, Turn, VersionSpan
 
 token_ids = st.lists(st.integers(min_value=0, max_value=200_000), max_size=12)
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False, allow_infinity=False)
@@ -37,6 +37,8 @@ def traces(draw: st.DrawFn, max_turns: int = 8) -> TrainingTrace:
             loss_mask=[0] * len(prompt) + draw(st.lists(st.sampled_from([0, 1]), min_size=len(completion),
                                                         max_size=len(completion))),
             policy_version=draw(st.one_of(st.none(), st.integers(0, 50))),
+            version_spans=[VersionSpan(version=v, start=a, end=b) for v, a, b in draw(st.sampled_from(
+                [[]] + ([[(1, 0, 1), (2, 1, len(completion))]] if len(completion) > 1 else [])))],
             finish_reason=draw(st.sampled_from([None, "stop", "length", "tool_calls"])),
             role=draw(st.sampled_from(ROLES)),
             request=Request(messages=messages, tools=tools),

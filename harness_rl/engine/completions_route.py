@@ -78,6 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = _prompt_ids(ctx, body.prompt)
     params = sampling_params(
         body,
+        stream=bool(body.stream),
         prompt_len=len(prompt_ids),
         max_model_len=engine.max_model_len,
         max_tokens=body.max_tokens,

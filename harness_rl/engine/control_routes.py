@@ -3,8 +3,10 @@
 `POST /pause?mode=wait|keep|abort[&clear_cache=true]` (default `wait`): new requests queue until
 `POST /resume`.
 `wait` returns once running generations have finished; `keep` freezes them between two steps
-(they resume, possibly under new weights, and keep the version they started with); `abort` ends
-them at once with `finish_reason: "abort"`. Weight updates apply between decode steps:
+(they resume, possibly under new weights: each token records the version that sampled it, which
+`/inference/v1/generate` reports as `weight_versions` spans, while the `x-policy-version` header
+keeps the version the generation started under); `abort` ends them at once with
+`finish_reason: "abort"`. Weight updates apply between decode steps:
 `POST /update_weights_from_disk {"path", "version"}` reads a safetensors file or a directory of
 them, `POST /update_weights_from_bytes?version=N` takes a raw safetensors body.
 """

@@ -10,7 +10,7 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -146,16 +146,32 @@ class Engine:
         return self._policy_version
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids below this are valid (the larger of the tokenizer's and the model's vocabulary)."""
+        return max(len(self.tokenizer), self._vocab_size)
+
+    @property
     def is_paused(self) -> bool:
         return self._paused
 
+    @property
+    def num_requests(self) -> int:
+        """Requests waiting or running now (abandoned ones leave within one step)."""
+        with self._cond:
+            return sum(not g.finished for g in (*self._waiting, *self._active))
+
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, forced_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        forced_ids: list[int] | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[GenerationUpdate, None]:
         """Yield updates (one per sampled token) until the request finishes.
 
         `forced_ids` makes the completion those ids (teacher forcing) while every logprob is still
-        the model's own for the request's sampling processing. Abandoning the iterator aborts it.
+        the model's own for the request's sampling processing. Abandoning the iterator aborts it,
+        and so does `abort([request_id])`.
         """
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         gen = Generation(
@@ -165,6 +181,7 @@ class Engine:
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             forced_ids=forced_ids,
+            request_id=request_id,
         )
         with self._cond:
             if self._closed:
@@ -220,6 +237,19 @@ class Engine:
         while self._active:
             await asyncio.sleep(0.005)
 
+    def abort(self, request_ids: Collection[str]) -> None:
+        """End the named requests with finish_reason "abort": running ones at their next step,
+        waiting ones at once (vLLM's `/abort_requests`; unknown ids are ignored)."""
+        with self._cond:
+            for gen in self._active:
+                if gen.request_id in request_ids:
+                    gen.cancelled = True
+            for gen in [g for g in self._waiting if g.request_id in request_ids]:
+                self._waiting.remove(gen)
+                gen.finished = True
+                gen.send(GenerationUpdate((), "", "abort", None, self._policy_version))
+            self._cond.notify_all()
+
     def resume(self) -> None:
         with self._cond:
             self._paused = self._frozen = False
@@ -230,12 +260,26 @@ class Engine:
         self._clear_prefix_cache = True
         return True
 
-    def close(self) -> None:
-        """Stop the worker; waiting and running requests fail with `EngineClosed`."""
+    def abort_all(self) -> None:
+        """End every waiting and running request now, with finish_reason "abort" (a server shutting down)."""
+        with self._cond:
+            for gen in self._waiting:
+                gen.cancelled = gen.finished = True
+                gen.send(GenerationUpdate((), "", "abort", None, self._policy_version))
+            self._waiting.clear()
+            for gen in self._active:
+                gen.cancelled = True
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker; waiting and running requests fail with `EngineClosed`.
+
+        Waits up to `timeout` for the worker's current step (the worker is a daemon thread, so a
+        process may exit while a long prefill still runs)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._worker.join(timeout=30)
+        self._worker.join(timeout=timeout)
 
     def _work(self) -> None:
         while True:
@@ -309,13 +353,14 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One token for every running request; finished ones leave their KV in the prefix cache
-        before their last update is sent, so an agent's next turn always finds it."""
+        before their last update is sent, so an agent's next turn always finds it. A request kept
+        across a weight load holds keys and values of the old weights: those are never cached."""
         running = list(self._batch.generations)
         out = self.model(**self._batch.step_inputs())
         self._batch.advance()
         updates = [self._next_token(gen, out.logits[row, -1]) for row, gen in enumerate(running)]
         for row, gen in enumerate(running):
-            if gen.finished and not gen.cancelled:
+            if gen.finished and not gen.cancelled and gen.policy_version == self._policy_version:
                 self.prefix_cache.store(gen.prompt_ids + gen.token_ids[:-1], self._batch.row_kv(row))
         self._batch.keep([not gen.finished for gen in running])
         for gen, update in zip(running, updates, strict=True):
@@ -332,12 +377,15 @@ class Engine:
         token = forced if forced is not None else choose_token(processed, params, gen.generator)
         reported = processed if self.logprobs_mode == "processed_logprobs" else torch.log_softmax(logits.float(), -1)
         top: tuple[tuple[int, float], ...] = ()
+        rank = None
+        if params.logprobs is not None:
+            rank = int((reported > reported[token]).sum()) + 1
         if params.logprobs:
             values, ids = torch.topk(reported, min(params.logprobs, reported.shape[-1]))
             top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
         gen.token_ids.append(token)
         update = self._stops.step(gen)
-        sampled = SampledToken(token, float(reported[token]), top)
+        sampled = SampledToken(token, float(reported[token]), top, rank, self._policy_version)
         gen.finished = update.finish_reason is not None
         return GenerationUpdate((sampled,), update.text, update.finish_reason, update.stop_reason, gen.policy_version)
 

@@ -21,3 +21,14 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
+
+
+def validation_error(loc: str, kind: str, message: str, given: str, context: str | None = None) -> ApiError:
+    """A body vLLM's request schema refuses, in pydantic's words (`1 validation error: {…}`)."""
+    extra = f", 'ctx': {context}" if context else ""
+    return ApiError(
+        400,
+        f"1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', 'msg': '{message}', 'input': '{given}'{extra}}}",
+        param=loc,
+        kind="Bad Request",
+    )

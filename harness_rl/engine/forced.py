@@ -1,7 +1,8 @@
 """Forced completions: scripted answers for driving real agent CLIs with a random model in tests.
 
 Two queues: a chat request that carries tools takes the next text from `tools`, a tool-less one
-(opencode's title call, say) from `no_tools`; an empty queue means normal sampling. The engine then
+(opencode's title call, say) from `no_tools`; an empty queue means normal sampling. A request to
+`/inference/v1/generate` has only ids: it takes the `tools` queue when its prompt lists tools. The engine then
 teacher-forces the text's token ids and still reports the model's own logprobs for them.
 
 Only `create_app(..., forced_completions=True)` (`harness-rl serve engine
@@ -13,6 +14,8 @@ from collections import deque
 from threading import Lock
 
 from harness_rl.engine.tiny_model import EOS_TOKEN
+
+TOOLS_BLOCK = "<tools>\n"
 
 
 class ForcedCompletions:
@@ -42,6 +45,12 @@ class ForcedCompletions:
     def remaining(self) -> dict[str, list[str]]:
         with self._lock:
             return {"tools": list(self._tools), "no_tools": list(self._no_tools)}
+
+
+def prompt_has_tools(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether a prompt given as ids was rendered with tools (its system turn lists them in a
+    `<tools>` block, as the hermes-style templates write it): which queue a generate request takes."""
+    return TOOLS_BLOCK in tokenizer.decode(prompt_ids)
 
 
 def forced_token_ids(tokenizer, text: str) -> list[int]:

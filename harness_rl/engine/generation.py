@@ -11,11 +11,14 @@ from harness_rl.engine.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SampledToken:
-    """One completion token with its logprob (and the top alternatives when asked for)."""
+    """One completion token with its logprob, the top alternatives and its rank (1 = most likely)
+    when logprobs were asked for, and the weight version whose forward pass chose it."""
 
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
+    version: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class PromptLogprob:
 @dataclass(frozen=True)
 class GenerationUpdate:
     """What one engine step adds to a request: new tokens, new stable text, maybe the end. The
-    first update of a request that asked for `prompt_logprobs` carries them (position 0 has none)."""
+    first update of a request that asked for `prompt_logprobs` carries them (position 0 has none).
+    `policy_version` is the version the request started under; each token carries its own."""
 
     tokens: tuple[SampledToken, ...]
     text: str
@@ -52,6 +56,7 @@ class Generation:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     forced_ids: list[int] | None = None
+    request_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     text: str = ""
@@ -93,11 +98,13 @@ class StopChecker:
         token = gen.token_ids[-1]
         finish: str | None = None
         stop_reason: int | str | None = None
-        text = self._decoded(gen)
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids:  # the stop token's own text is left out, as vLLM does
             finish, stop_reason = "stop", token
-        elif token == self.eos_token_id and not params.ignore_eos:
-            finish = "stop"
+            text = self._decoded(gen, gen.token_ids[:-1])
+        else:
+            text = self._decoded(gen, gen.token_ids)
+            if token == self.eos_token_id and not params.ignore_eos:
+                finish = "stop"
         if params.stop and finish is None:
             longest = max(len(s) for s in params.stop)
             start = max(0, gen.emitted_chars - longest)
@@ -116,10 +123,9 @@ class StopChecker:
         gen.emitted_chars = len(text)
         return GenerationUpdate(tokens=(), text=delta, finish_reason=finish, stop_reason=stop_reason)
 
-    def _decoded(self, gen: Generation) -> str:
-        """The completion's text so far, decoding only the last few tokens per step (as vLLM's
-        incremental detokenizer does): text is committed once it no longer ends mid-character."""
-        ids = gen.token_ids
+    def _decoded(self, gen: Generation, ids: list[int]) -> str:
+        """The text of `ids` (the completion so far), decoding only the last few tokens per step (as
+        vLLM's incremental detokenizer does): text is committed once it no longer ends mid-character."""
         settled = self.tokenizer.decode(ids[gen.prefix_offset : gen.read_offset], skip_special_tokens=True)
         recent = self.tokenizer.decode(ids[gen.prefix_offset :], skip_special_tokens=True)
         tail = recent[len(settled) :]

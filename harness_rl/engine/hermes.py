@@ -4,6 +4,7 @@ re-serialised JSON, and a completion whose calls do not parse is plain content."
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 START = "<tool_call>"
@@ -14,7 +15,7 @@ def new_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _parse_call(body: str) -> dict | None:
+def _parse_call(body: str, new_id: Callable[[], str] = new_tool_call_id) -> dict | None:
     try:
         call = json.loads(body)
     except json.JSONDecodeError:
@@ -22,7 +23,7 @@ def _parse_call(body: str) -> dict | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     return {
-        "id": new_tool_call_id(),
+        "id": new_id(),
         "type": "function",
         "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)},
     }
@@ -47,11 +48,13 @@ def _call_bodies(text: str) -> list[str]:
     return bodies
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]] | None:
+def parse_tool_calls(
+    text: str, new_id: Callable[[], str] = new_tool_call_id
+) -> tuple[str | None, list[dict]] | None:
     """`(content, tool_calls)` when `text` holds calls that all parse, else None (plain content)."""
     if START not in text:
         return None
-    parsed = [_parse_call(body) for body in _call_bodies(text)]
+    parsed = [_parse_call(body, new_id) for body in _call_bodies(text)]
     calls = [call for call in parsed if call is not None]
     if not calls or len(calls) != len(parsed):
         return None

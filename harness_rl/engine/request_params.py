@@ -3,12 +3,13 @@
 from harness_rl.engine.errors import ApiError
 from harness_rl.engine.protocol import SamplingFields
 from harness_rl.engine.sampling import SamplingParams
+from harness_rl.engine.token_protocol import GenerateSampling
 
 
 def check_model(requested: str | None, served: str) -> None:
     """`model` may be absent; otherwise it must name the served model (404 like vLLM)."""
     if requested is not None and requested != served:
-        raise ApiError(404, f"The model `{requested}` does not exist.", param="model")
+        raise ApiError(404, f"The model `{requested}` does not exist. Valid aliases: {served}.", param="model")
 
 
 # Sampling knobs vLLM honours but this engine does not, with their neutral values. A non-neutral value
@@ -21,18 +22,23 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "min_tokens": (None, 0),
     "logit_bias": (None, {}),
     "use_beam_search": (None, False),
+    "allowed_token_ids": (None, []),
+    "bad_words": (None, []),
+    "structured_outputs": (None,),
+    "include_stop_str_in_output": (None, False),
 }
 
 
-def _refuse_unsupported(request: SamplingFields) -> None:
+def _refuse_unsupported(request: SamplingFields | GenerateSampling) -> None:
     for name, neutral in _NEUTRAL.items():
-        if getattr(request, name) not in neutral:
+        if getattr(request, name, None) not in neutral:
             raise ApiError(400, f"{name} is not supported by the embedded engine; leave it unset.", param=name)
 
 
 def sampling_params(
-    request: SamplingFields,
+    request: SamplingFields | GenerateSampling,
     *,
+    stream: bool,
     prompt_len: int,
     max_model_len: int,
     max_tokens: int | None,
@@ -56,7 +62,7 @@ def sampling_params(
     top_k = 0 if request.top_k is None else request.top_k
     if top_k < -1:
         raise ApiError(400, f"top_k must be -1 (disable), or at least 1, got {top_k}.", param="top_k")
-    if request.prompt_logprobs is not None and (request.prompt_logprobs < -1 or request.stream):
+    if request.prompt_logprobs is not None and (request.prompt_logprobs < -1 or stream):
         raise ApiError(
             400,
             "prompt_logprobs must be -1 (whole vocabulary) or >= 0, and cannot be streamed.",
@@ -73,7 +79,11 @@ def sampling_params(
             param="input_tokens",
         )
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(
             400,

@@ -1,4 +1,9 @@
-"""Running the engine's app: in a background thread (tests, the learner) or in the foreground (CLI)."""
+"""Running the engine's app: in a background thread (tests, the learner) or in the foreground (CLI).
+
+A client that disconnects cancels its handler, and with it its generation (nobody is left to read
+it). Stopping aborts every generation first (`create_app`'s shutdown hook), then waits at most
+`SHUTDOWN_S` for handlers to answer, so SIGTERM ends a busy server within seconds.
+"""
 
 import asyncio
 import signal
@@ -9,6 +14,13 @@ from aiohttp import web
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine.app import create_app
 from harness_rl.engine.engine import Engine
+
+SHUTDOWN_S = 2.0
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The engine's runner: handlers cancelled when their client leaves, a short shutdown."""
+    return web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=SHUTDOWN_S)
 
 
 @dataclass
@@ -33,11 +45,19 @@ class ServerHandle:
 
 
 def serve_in_thread(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0, *, forced_completions: bool = False
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    forced_completions: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> ServerHandle:
     """Serve `engine` on `host:port` (0 = a free port) from a background loop."""
     loop = BackgroundLoop("engine-server")
-    runner = web.AppRunner(create_app(engine, forced_completions=forced_completions), handle_signals=False)
+    app = create_app(
+        engine, forced_completions=forced_completions, return_tokens_as_token_ids=return_tokens_as_token_ids
+    )
+    runner = make_runner(app)
 
     async def start() -> int:
         await runner.setup()
@@ -56,7 +76,7 @@ def serve_forever(app: web.Application, host: str, port: int) -> None:
     """Serve until SIGINT or SIGTERM, then close connections and return."""
 
     async def main() -> None:
-        runner = web.AppRunner(app, handle_signals=False)
+        runner = make_runner(app)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         print(f"harness-rl engine serving on http://{host}:{port}", flush=True)

@@ -39,8 +39,10 @@ CHARTS = (
     Chart(title="Throughput (tok/s)", keys=["perf/trained_tok_s_wall_clock", "perf/forwarded_tok_s_wall_clock"],
           labels=["trained", "forwarded"]),
     Chart(title="Mismatch KL", keys=["mismatch_kl"]),
-    Chart(title="|Δ logprob|", keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"],
+    Chart(title="Train/inference |Δ logprob|",
+          keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"],
           labels=["max", "mean"]),
+    Chart(title="After each sync |Δ logprob|", keys=["sync/logp_difference_max"]),
 )
 MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a note saying how much
 BREAK_WINDOW = 8  # tokens shown on each side of a prefix break

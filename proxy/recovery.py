@@ -1,0 +1,98 @@
+"""Reading a store back after a restart, trusting nothing in it and losing nothing good.
+
+Each session log is scanned line by line (`proxy.store.scan_log`): a damaged line is skipped,
+counted, its bytes kept under `STORE/quarantine/` and logged once (when first quarantined); a line
+logged twice counts once; nothing is ever truncated (a torn last line is only ended with a newline,
+so the next append starts a line of its own). Every turn whose stored form does not depend on a
+damaged or missing line is rebuilt exactly; one that does is counted lost and left out, never
+guessed (`Session.replay`). A file that cannot be read at all is reported and skipped: one bad
+file never stops the proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness_rl.trace import StoredTurn, TrainingTrace
+from proxy.control_api import Recovery
+from proxy.session import Session, SessionRegistry
+from proxy.store import QUARANTINE, Damaged, SessionLog, SessionOpened, end_line, quarantine, scan_log
+
+log = logging.getLogger("harness_rl.proxy")
+
+
+@dataclass(slots=True)
+class LoadedLog:
+    """One session log read back: the session (None if the file is not one) and what could not be used."""
+
+    session: Session | None
+    damaged: list[Damaged] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # reasons, one per logged turn that was not rebuilt
+    duplicates: int = 0
+    ends_clean: bool = True
+
+
+def load_log(path: Path, *, fsync: bool = False, max_chain: int | None = None) -> LoadedLog:
+    """Rebuild a session from its log without writing anything; damaged and lost lines are reported."""
+    scan = scan_log(path)
+    loaded = LoadedLog(None, scan.damaged, duplicates=scan.duplicates, ends_clean=scan.ends_clean)
+    if not scan.lines or not isinstance(scan.lines[0][0], SessionOpened):
+        loaded.lost = [f"{path.name} has no session line first" for line, _, _ in scan.lines
+                       if isinstance(line, StoredTurn)]
+        return loaded
+    session = loaded.session = Session(scan.lines[0][0], SessionLog(path, fsync=fsync), max_chain=max_chain)
+    for line, raw, offset in scan.lines[1:]:
+        problem = session.replay(line, raw)
+        if problem is None:
+            continue
+        if problem.damaged:
+            loaded.damaged.append(Damaged(offset, raw, problem.reason))
+        if isinstance(line, StoredTurn):
+            loaded.lost.append(problem.reason)
+    loaded.damaged.sort(key=lambda d: d.offset)
+    return loaded
+
+
+def trace_from_log(path: Path) -> TrainingTrace:
+    """The trace of one session log file, rebuilt as the proxy would serve it (read-only)."""
+    loaded = load_log(path)
+    if loaded.session is None:
+        raise ValueError(f"{path} is not a proxy session log (no session line first)")
+    return loaded.session.trace()
+
+
+def recover_store(registry: SessionRegistry) -> Recovery:
+    """Load every session log under the registry's store into it; what came back and what did not."""
+    totals = registry.recovery = Recovery()
+    for path in sorted(registry.store_dir.glob("s*.jsonl")):
+        try:
+            _recover_one(registry, path, totals)
+        except Exception as exc:  # one bad file never stops the proxy
+            totals.unreadable_files += 1
+            log.warning("session log %s skipped: %s", path, exc)
+    return totals
+
+
+def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> None:
+    """Recover one log; a file that is not a session's own log is left untouched (its turns count lost)."""
+    loaded = load_log(path, fsync=registry.fsync, max_chain=registry.max_chain)
+    session = loaded.session
+    if session is None or session.id in registry.by_id:
+        totals.lost_turns += len(loaded.lost) + (len(session.turns) if session is not None else 0)
+        why = "no session line first" if session is None else f"a second log of session {session.id}"
+        raise ValueError(f"not a session log ({why}); left as it is")
+    totals.lost_turns += len(loaded.lost)
+    totals.quarantined_lines += len(loaded.damaged)
+    totals.duplicate_lines += loaded.duplicates
+    kept = [p for p in (quarantine(registry.store_dir, path, d) for d in loaded.damaged) if p is not None]
+    if kept or (loaded.lost and not loaded.damaged):
+        log.warning("session log %s: %d damaged lines skipped (bytes kept in %s), %d turns lost: %s", path,
+                    len(loaded.damaged), registry.store_dir / QUARANTINE, len(loaded.lost),
+                    "; ".join([d.reason for d in loaded.damaged[:3]] + loaded.lost[:3]))
+    if not loaded.ends_clean and not session.closed:
+        end_line(path)
+    totals.sessions += 1
+    totals.turns += len(session.turns)
+    registry.add(session)

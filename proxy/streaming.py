@@ -1,0 +1,99 @@
+"""One streamed agent call: the engine's tokens become the agent's text as they are sampled.
+
+The pipeline's steps, streamed: the prompt is made as for any call; the engine samples with
+`stream: true`; the engine's own parsers read the growing answer (`TextReader`) and each reasoning
+or content delta goes to the agent at once. When the engine is done, the sample is checked as a whole
+(ids against logprobs, counts against the closing usage), the reply is read from all of its ids exactly
+as for a call that did not stream, and the turn is recorded; only then do the text not yet sent, the
+tool calls and the finish go out. Concatenated, the streamed text is the recorded reply, always: text
+the parsers let out early that the final reading disagrees with fails the call (the turn stays, with
+mask 0).
+
+The call runs on its own task, apart from the agent's connection. When the agent leaves, `left` is set:
+the generation is cut short (the engine stops generating when its stream is closed) and what was sampled
+is recorded as context the agent never received (mask 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from proxy.chat import ChatCall
+from proxy.engine_stream import SampleStream, TextReader
+from proxy.errors import ProxyError
+from proxy.live import AnswerHead, Finished, Opened, StreamEvent, Text, TextKind
+from proxy.pipeline import CapturePipeline, new_answer_id
+from proxy.session import Session
+
+Emit = Callable[[StreamEvent], None]
+
+
+async def capture_streamed(pipeline: CapturePipeline, session: Session, call: ChatCall, harness: dict[str, str],
+                           emit: Emit, left: asyncio.Event, answer_id: str | None = None) -> None:
+    """Sample, record and answer one call, emitting its events as they happen; `Finished` comes last, after
+    the turn is on disk (also when the agent has left: whoever takes it marks the turn undelivered).
+
+    The caller holds the gate and has admitted the call, as for `CapturePipeline.capture`.
+    """
+    prepared = await pipeline.prepare(session, call)
+    engine, prompt = pipeline.engine, prepared.prompt.ids
+    answer_id = answer_id or new_answer_id()
+    reader = TextReader(engine, prepared.parsing, prompt, prepared.stops, pipeline.config.stream_read_s,
+                        lambda kind, text: emit(Text(kind, text)))
+    async with SampleStream(engine, prompt, prepared.params) as stream:
+        emit(Opened(AnswerHead(id=answer_id, created=int(prepared.started), model=call.model,
+                               prompt_tokens=prompt.count)))
+        reading = asyncio.ensure_future(reader.run())
+        try:
+            cut = await _follow(stream, reader, left)
+        finally:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+    if cut and not stream.ids:
+        raise ProxyError(499, "the agent left before the engine sampled a token; nothing was recorded")
+    sample = stream.partial() if cut else stream.sample()
+    reply = await pipeline.read(prepared, sample)
+    rest = {"reasoning": _rest(reader.sent["reasoning"], reply.reasoning), "content": _rest(reader.sent["content"],
+                                                                                          reply.content)}
+    answer, node_id = pipeline.record(session, call, harness, prepared, sample, reply, answer_id)
+    if not cut and (None in rest.values() or (rest["reasoning"] and reader.sent["content"])):
+        session.mark_undelivered(node_id)
+        raise ProxyError(502, "the engine's parsers streamed text that their reading of the whole answer does not "
+                              "hold; the turn is kept as context the agent never received")
+    kind: TextKind
+    for kind in ("reasoning", "content"):
+        text = rest[kind]
+        if text:
+            emit(Text(kind, text))
+    emit(Finished(answer, node_id))
+
+
+async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event) -> bool:
+    """Hand each step's ids to the reader until the stream ends; True when the agent left first."""
+    steps = aiter(stream.steps())
+    leaving = asyncio.ensure_future(left.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(steps, None))
+            await asyncio.wait((step, leaving), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await step
+                return True
+            ids = step.result()
+            if ids is None:
+                return False
+            if stream.finish_reason is None:  # the last step's ids (a stop token maybe) are read with the whole
+                reader.feed(ids)
+    finally:
+        leaving.cancel()
+
+
+def _rest(sent: str, final: str | None) -> str | None:
+    """What of `final` is still to send after `sent`; None when `sent` is not where `final` begins."""
+    final = final or ""
+    return final[len(sent):] if final.startswith(sent) else None

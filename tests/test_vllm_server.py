@@ -1,0 +1,199 @@
+"""`harness-rl serve vllm`: the command it builds, the flags it refuses, and the child process around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness_rl.cli import main
+from harness_rl.vllm_server import (
+    VllmLaunch,
+    VllmProcess,
+    VllmSetupError,
+    cpu_kv_cache_gib,
+    find_vllm_python,
+    vllm_launch,
+)
+
+
+def model_dir(tmp_path: Path, template: str = "{{ messages }}", **config: object) -> Path:
+    directory = tmp_path / "m"
+    directory.mkdir(exist_ok=True)
+    base = {"model_type": "qwen2", "max_position_embeddings": 131072, "dtype": "float32", "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 128}
+    (directory / "config.json").write_text(json.dumps(base | config))
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
+
+
+def flags(launch: VllmLaunch) -> dict[str, str | None]:
+    """`--flag value` / `--flag` pairs of the command after the module name."""
+    args = launch.command[3:]
+    out: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out[arg] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def test_the_command_sets_every_capture_and_sync_flag(tmp_path: Path) -> None:
+    launch = vllm_launch(model_dir(tmp_path), python="/venv/bin/python", cuda=False, port=8123,
+                         served_model_name="tiny")
+    assert launch.command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flags(launch) == {
+        "--model": str(tmp_path / "m"), "--served-model-name": "tiny", "--host": "127.0.0.1", "--port": "8123",
+        "--max-model-len": "131072", "--logprobs-mode": "processed_logprobs", "--return-tokens-as-token-ids": None,
+        "--generation-config": "vllm", "--enable-scale-out": None, "--enable-auto-tool-choice": None,
+        "--dtype": "float32", "--tool-call-parser": "hermes"}
+    assert launch.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert launch.url == "http://127.0.0.1:8123"
+    assert launch.shell().startswith("VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 "
+                                     "/venv/bin/python -m vllm.entrypoints.openai.api_server --model ")
+
+
+def test_nccl_weight_transfer_only_with_cuda(tmp_path: Path) -> None:
+    launch = vllm_launch(model_dir(tmp_path), python="py", cuda=True)
+    assert json.loads(flags(launch)["--weight-transfer-config"] or "") == {"backend": "nccl"}
+    assert "VLLM_CPU_KVCACHE_SPACE" not in launch.env
+    assert "--weight-transfer-config" not in flags(vllm_launch(model_dir(tmp_path), python="py", cuda=False))
+
+
+@pytest.mark.parametrize(("model_type", "template", "tool", "reasoning"), [
+    ("qwen2", "<tool_call>", "hermes", None),
+    ("qwen3", "<tool_call>", "hermes", "qwen3"),
+    ("qwen3_moe", "<tool_call>\n<function=name>", "qwen3_coder", "qwen3"),
+    ("qwen3_5", "", "qwen3_coder", "qwen3"),
+    ("llama", "", "llama3_json", None),
+    ("gpt_oss", "", "openai", "openai_gptoss"),
+])
+def test_parsers_follow_the_model_family(tmp_path: Path, model_type: str, template: str, tool: str,
+                                         reasoning: str | None) -> None:
+    found = flags(vllm_launch(model_dir(tmp_path, template, model_type=model_type), python="py", cuda=False))
+    assert found["--tool-call-parser"] == tool
+    assert found.get("--reasoning-parser") == reasoning
+
+
+def test_an_unknown_family_asks_for_a_parser_and_extra_args_replace_ours(tmp_path: Path) -> None:
+    with pytest.raises(VllmSetupError, match="no tool-call parser known for model_type 'weird': pass one after --"):
+        vllm_launch(model_dir(tmp_path, model_type="weird"), python="py", cuda=False)
+    launch = vllm_launch(model_dir(tmp_path, model_type="weird"), python="py", cuda=False,
+                         extra_args=["--tool-call-parser", "pythonic", "--max_model_len=4096", "--port", "9"])
+    assert launch.command[-5:] == ["--tool-call-parser", "pythonic", "--max_model_len=4096", "--port", "9"]
+    assert launch.command.count("--port") == 1 and "--max-model-len" not in launch.command
+    assert launch.max_model_len == 4096
+
+
+def test_context_comes_from_the_model(tmp_path: Path) -> None:
+    assert vllm_launch(model_dir(tmp_path, max_position_embeddings=32768), python="py", cuda=False).max_model_len \
+        == 32768
+
+
+def test_cpu_kv_cache_holds_one_full_context() -> None:
+    qwen_05b = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896}
+    # 2 (k, v) × 24 layers × 2 heads × 64 dims × 4 bytes × 131072 tokens = 3 GiB, × 1.25 headroom
+    assert cpu_kv_cache_gib(qwen_05b, 131072, "float32") == 4
+    assert cpu_kv_cache_gib(qwen_05b, 131072, "bfloat16") == 2
+    assert cpu_kv_cache_gib({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 128}, 65536,
+                            "float32") == 1
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--logprobs-mode", "raw_logprobs"], "refusing --logprobs-mode raw_logprobs:"),
+    (["--logprobs_mode=processed_logits"], "refusing --logprobs-mode processed_logits:"),
+    (["--generation-config", "auto"], "refusing --generation-config auto:"),
+    (["--no-return-tokens-as-token-ids"], "refusing --no-return-tokens-as-token-ids:"),
+    (["--no-enable-scale-out"], "refusing --no-enable-scale-out:"),
+    (["--skip-tokenizer-init"], "refusing --skip-tokenizer-init:"),
+])
+def test_serve_vllm_refuses_flags_that_break_exact_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           extra: list[str], named: str) -> None:
+    assert main(["serve", "vllm", str(model_dir(tmp_path)), "--dry-run", "--", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harness-rl serve vllm: {named}") and err.count("\n") == 1
+
+
+def test_serve_vllm_prints_the_full_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HARNESS_RL_VLLM_PYTHON", sys.executable)  # no CUDA behind this torch
+    assert main(["serve", "vllm", str(model_dir(tmp_path)), "--dry-run", "--port", "9100", "--",
+                 "--logprobs-mode", "processed_logprobs", "--enforce-eager"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 ")
+    assert " --port 9100 " in printed and printed.endswith("--logprobs-mode processed_logprobs --enforce-eager")
+    assert printed.count("--logprobs-mode") == 1
+
+
+def test_arguments_after_a_double_dash_only_go_to_commands_that_take_them(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "engine", "--", "--port", "1"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: -- --port 1" in capsys.readouterr().err
+
+
+def test_vllm_python_is_found_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    venv_python = tmp_path / "tools" / "vllm-venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("")
+    monkeypatch.setenv("HARNESS_RL_TOOLS_DIR", str(tmp_path / "tools"))
+    monkeypatch.delenv("HARNESS_RL_VLLM_PYTHON", raising=False)
+    assert find_vllm_python() == str(venv_python)
+    monkeypatch.setenv("HARNESS_RL_VLLM_PYTHON", sys.executable)
+    assert find_vllm_python() == sys.executable
+    assert find_vllm_python(str(venv_python)) == str(venv_python)
+    with pytest.raises(VllmSetupError, match="^--vllm-python /nope: no such file$"):
+        find_vllm_python("/nope")
+    monkeypatch.delenv("HARNESS_RL_VLLM_PYTHON")
+    monkeypatch.setenv("HARNESS_RL_TOOLS_DIR", str(tmp_path / "empty"))
+    with pytest.raises(VllmSetupError, match="vLLM not found: run `make vllm`"):
+        find_vllm_python()
+
+
+def fake_launch(code: str, port: int) -> VllmLaunch:
+    return VllmLaunch(command=[sys.executable, "-c", code], env={}, url=f"http://127.0.0.1:{port}",
+                      served_model_name="fake", max_model_len=1)
+
+
+def test_a_child_that_dies_at_start_is_reported_with_its_log(tmp_path: Path) -> None:
+    from harness_rl.weight_sync import free_port
+
+    code = "import sys; print('ValueError: no model here', flush=True); sys.exit(3)"
+    with pytest.raises(VllmSetupError, match=r"(?s)exited with code 3 before it was ready.*ValueError: no model"):
+        VllmProcess(fake_launch(code, free_port()), tmp_path / "vllm.log").start(timeout_s=30)
+
+
+def test_a_child_that_never_gets_ready_is_stopped_with_its_whole_group(tmp_path: Path) -> None:
+    from harness_rl.weight_sync import free_port
+
+    # the "server" forks a worker (as vLLM does) and never answers /health
+    code = ("import os, subprocess, sys, time; print('loading', flush=True); "
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            "open(sys.argv[1], 'w').write(str(w.pid)); time.sleep(300)")
+    pid_file = tmp_path / "worker.pid"
+    launch = fake_launch(code, free_port())
+    launch = VllmLaunch(command=[*launch.command, str(pid_file)], env={}, url=launch.url, served_model_name="fake",
+                        max_model_len=1)
+    started = time.monotonic()
+    with pytest.raises(VllmSetupError, match=r"(?s)not ready after 3s.*loading"):
+        VllmProcess(launch, tmp_path / "vllm.log").start(timeout_s=3)
+    assert time.monotonic() - started < 30
+    worker = int(pid_file.read_text())
+    for _ in range(50):
+        if not _alive(worker):
+            break
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+        return stat.read().split()[2] != "Z"
