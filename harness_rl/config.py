@@ -39,7 +39,9 @@ BUILT_MODELS = ("tiny", "tiny-agent")
 # mini-swe-agent puts the machine's uname in its prompt; the agent demo pins it, so the prompts the
 # tiny-agent learned from are the same on every machine (the cache is portable).
 PINNED_UNAME = {"system": "Linux", "release": "6.1.0", "version": "#1 SMP", "machine": "x86_64"}
-AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME}
+# A reply without a tool call ends the agent demo's rollout: mini-swe-agent drops such a reply from its history,
+# so the turn after it could not continue its tokens (README, "The agent demo").
+AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1}
 
 
 def setting(description: str, flag: str | None = "") -> msgspec.Meta:

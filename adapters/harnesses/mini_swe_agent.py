@@ -10,6 +10,10 @@ mini-swe-agent's prompt shows the machine's `uname` (system, release, version, m
 template variables come from `platform.uname()`, then the environment, which wins). `uname` pins
 them through the environment, so the prompt is the same on every machine (the `tiny-agent` demo
 needs that). An endpoint's seed goes into every request (`model_kwargs.seed`).
+
+A reply without a tool call is a format error: mini-swe-agent leaves that reply out of its history
+and sends an error message instead, so the next call cannot continue the reply's tokens (a new
+training row). It exits after `max_consecutive_format_errors` of them in a row (its own default: 3).
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ class MiniSweAgentHarness(Harness):
     package = Package("pypi", "mini-swe-agent", "2.4.6", "mini")
 
     def __init__(self, step_limit: int = 30, request_timeout_s: float = 3600.0,
-                 uname: dict[str, str] | None = None) -> None:
+                 uname: dict[str, str] | None = None, max_consecutive_format_errors: int = 3) -> None:
         unknown = set(uname or {}) - UNAME_FIELDS
         if unknown:
             raise ValueError(f"mini-swe-agent uname: unknown fields {sorted(unknown)}; use {sorted(UNAME_FIELDS)}")
         self.step_limit = step_limit
         self.request_timeout_s = request_timeout_s
         self.uname = dict(uname or {})
+        self.max_consecutive_format_errors = max_consecutive_format_errors
 
     def trajectory_path(self, sandbox: Sandbox) -> str:
         return str(PurePosixPath(sandbox.logs_dir) / "agent" / "mini-swe-agent.traj.json")
@@ -55,6 +60,7 @@ class MiniSweAgentHarness(Harness):
             "-c", "model.model_kwargs.drop_params=true",
             "-c", f"model.model_kwargs.timeout={self.request_timeout_s:g}",
             "-c", f"agent.step_limit={self.step_limit}",
+            "-c", f"agent.max_consecutive_format_errors={self.max_consecutive_format_errors}",
             "-c", "agent.cost_limit=0",
         ]
         if endpoint.seed is not None:
