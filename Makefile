@@ -1,6 +1,7 @@
 # Two entry points, both doing their own set-up on a fresh machine:
 #   make train   runs the main job
 #   make test    runs the whole test suite
+# and the agent demo: make train-agent (mini-swe-agent learns the shipped agent tasks on a CPU).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +11,7 @@ BROWSER := .tools/.browser
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: train test test-fast lint lock clean vllm vllm-best-effort
+.PHONY: train train-agent test test-fast lint lock clean vllm vllm-best-effort
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,21 @@ vllm-best-effort:
 
 train: $(STAMP)
 	$(BIN)/harness-rl train
+
+# tiny-agent (built once, cached), evaluated on the training and held-out tasks, trained with GRPO through the
+# real mini-swe-agent, evaluated again beside the first evaluation. HARNESS=opencode is not supported: see README.
+AGENT_RUN_NOW := runs/train-agent-$(shell date -u +%Y%m%d-%H%M%S)
+AGENT_RUN ?= $(AGENT_RUN_NOW)
+AGENT_SAMPLES ?= 2
+AGENT_EVAL = --tasks examples/agent-tasks/train --tasks examples/agent-tasks/heldout --num-samples $(AGENT_SAMPLES)
+AGENT_TRAIN ?=
+train-agent: $(STAMP)
+	$(BIN)/harness-rl build-model tiny-agent
+	$(BIN)/harness-rl eval --model tiny-agent $(AGENT_EVAL) --output-dir $(AGENT_RUN)/eval-before
+	$(BIN)/harness-rl train --harness mini-swe-agent --model tiny-agent --tasks examples/agent-tasks/train \
+		--output-dir $(AGENT_RUN) $(AGENT_TRAIN)
+	$(BIN)/harness-rl eval --config $(AGENT_RUN)/config.toml --model $(AGENT_RUN) $(AGENT_EVAL) \
+		--output-dir $(AGENT_RUN)/eval-after --baseline $(AGENT_RUN)/eval-before
 
 test: $(STAMP) $(TOOLS) $(BROWSER) vllm-best-effort
 	$(BIN)/pytest -q

@@ -9,7 +9,19 @@ import sys
 from typing import NoReturn
 
 from harness_rl import __version__
-from harness_rl.commands import doctor, harnesses, serve_engine, serve_proxy, serve_vllm, sft, traces, train, view
+from harness_rl.commands import (
+    build_model,
+    doctor,
+    evaluate,
+    harnesses,
+    serve_engine,
+    serve_proxy,
+    serve_vllm,
+    sft,
+    traces,
+    train,
+    view,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.register(commands)
     traces.register(commands)
     sft.register(commands)
+    evaluate.register(commands)
+    build_model.register(commands)
     harnesses.register(commands)
     view.register(commands)
     doctor.register(commands)

@@ -1,11 +1,14 @@
-"""One run configuration: every setting of `harness-rl train`, its default, its help, and two presets.
+"""One run configuration: every setting of `harness-rl train`, its default, its help, and three presets.
 
 `RunConfig` is decoded once from the built-in preset, a TOML/JSON `--config` file and the flags
 (later wins), and checked before anything starts. Field defaults are the defaults of a real run
 (`real`: a real model on a real engine, TRL's learning rate, no per-call cap below the model's
 context). The `demo` preset overrides a few of them for the embedded CPU demo (tiny model, `echo`
-harness, short replies, a large learning rate); it applies when asked for with `--preset demo`, or
-when no preset is named and the model is `tiny`, so a demo value never reaches a real run.
+harness, short replies, a large learning rate); the `agent` preset does the same for the CPU agent
+demo (`tiny-agent`, mini-swe-agent on the shipped agent tasks). A preset applies when asked for with
+`--preset`, or when no preset is named and the model is `tiny` (demo) or `tiny-agent` (agent), so a
+demo value never reaches a real run. `EvalConfig` (`harness-rl eval`) reuses the engine, proxy and
+rollouts sections and the same presets.
 
 This module stays light (no torch): flags, `--print-config` and every check run in well under a
 second.
@@ -18,7 +21,7 @@ import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
@@ -26,8 +29,19 @@ from proxy.config import ProxyConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_TASK = EXAMPLES / "tasks" / "digits"
+AGENT_TASKS = EXAMPLES / "agent-tasks"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-Preset = Literal["demo", "real"]
+Preset = Literal["demo", "agent", "real"]
+StructT = TypeVar("StructT", bound=msgspec.Struct)
+# Models harness-rl builds offline, by name (served by the embedded engine or a vLLM started for the run): the
+# random tiny model, and the tiny model warm-started on teacher traces of mini-swe-agent (`harness_rl.tiny_agent`).
+BUILT_MODELS = ("tiny", "tiny-agent")
+# mini-swe-agent puts the machine's uname in its prompt; the agent demo pins it, so the prompts the
+# tiny-agent learned from are the same on every machine (the cache is portable).
+PINNED_UNAME = {"system": "Linux", "release": "6.1.0", "version": "#1 SMP", "machine": "x86_64"}
+# A reply without a tool call ends the agent demo's rollout: mini-swe-agent drops such a reply from its history,
+# so the turn after it could not continue its tokens (README, "The agent demo").
+AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1}
 
 
 def setting(description: str, flag: str | None = "") -> msgspec.Meta:
@@ -44,8 +58,8 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: Annotated[str, setting("embedded (this process, CPU or GPU), vllm (started for the run, as "
                                    "`harness-rl serve vllm` does), or the URL of a running engine")] = "embedded"
-    model: Annotated[str, setting("tiny (built offline), a local model directory, or with --engine URL the hub "
-                                  "id that engine serves")] = ""
+    model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
+                                  "(its latest checkpoint), or with --engine URL the hub id that engine serves")] = ""
     weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "none"], setting(
         "how new weights reach the engine; auto: in-process for embedded, http for a harness-rl engine, nccl "
         "for vLLM on CUDA, reload (safetensors on disk, vLLM's reload_weights) for vLLM without CUDA")] = "auto"
@@ -157,6 +171,37 @@ class SftConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Annotated[str, setting("torch device; auto: cuda when available")] = "auto"
 
 
+class EvalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of `harness-rl eval`: a run's engine, proxy and rollouts sections, and what to sample."""
+
+    preset: Annotated[Preset, setting("defaults to start from; the model decides when not given", flag=None)] = "real"
+    tasks: Annotated[list[str], setting(
+        "tasks to evaluate: a Harbor task dir, a dir of them, or hf://<dataset repo>; repeat the flag for "
+        "several splits, each labelled by its folder name; none given: the preset's training tasks")] = []
+    num_samples: Annotated[AtLeastOne, setting("rollouts per task")] = 4
+    success_reward: Annotated[float, setting("a rollout succeeds when its reward is at least this")] = 1.0
+    seed: Annotated[int, setting("seed of the tiny models and of every rollout's sampling seed, derived per task "
+                                 "and sample for agents that send one")] = 0
+    output_dir: Annotated[str | None, setting("where eval.json, rollouts.jsonl and traces/ go; none: "
+                                              "runs/eval-<harness>-<UTC time>")] = None
+    baseline: Annotated[str | None, setting("an earlier evaluation (its eval.json or directory) to print beside this "
+                                            "one, task by task")] = None
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    rollouts: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+
+    def run_config(self) -> RunConfig:
+        """The run these rollouts are sampled as (no learner: weights never change)."""
+        engine = msgspec.structs.replace(self.engine, weight_sync="none")
+        return RunConfig(preset=self.preset, seed=self.seed, engine=engine, proxy=self.proxy, rollouts=self.rollouts)
+
+
+# Settings of `train` that `eval` does not take: it has its own --tasks (several) and --num-samples.
+EVAL_EXCLUDED = frozenset({"rollouts.tasks", "rollouts.num_generations"})
+# Sections of a run's configuration (its config.toml) that `eval` ignores: it never trains or writes checkpoints.
+EVAL_IGNORED_SECTIONS = ("learner", "output")
+
+
 # A preset is a partial configuration laid over the field defaults (which are `real`).
 PRESETS: dict[str, dict[str, Any]] = {
     "real": {},
@@ -165,7 +210,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16},
         "learner": {"learning_rate": 1e-2, "max_steps": 40},
     },
+    # Measured on a loaded 2-core box (README, "The agent demo"): every rollout starts mini-swe-agent (about
+    # 5 CPU-seconds, most of it importing litellm), so a step is 2 tasks x 4 rollouts and the run is short.
+    "agent": {
+        "engine": {"model": "tiny-agent"},
+        "rollouts": {"harness": "mini-swe-agent", "tasks": str(AGENT_TASKS / "train"), "max_tokens_per_turn": 64,
+                     "num_generations": 4, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
+        "learner": {"learning_rate": 1e-3, "max_steps": 10, "groups_per_step": 2,
+                    "loss": {"normalization": "rollout"}},
+    },
 }
+PRESET_FOR_MODEL: dict[str, Preset] = {"tiny": "demo", "tiny-agent": "agent"}
 
 
 class ConfigError(ValueError):
@@ -185,28 +240,63 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def preset_for(settings: dict[str, Any]) -> Preset:
-    """The preset asked for, else `demo` when the model is tiny (or not given), else `real`."""
+    """The preset asked for, else the one of a built model (tiny: demo, tiny-agent: agent; none given: demo),
+    else `real`."""
     named = settings.get("preset")
     if named is not None:
         if named not in PRESETS:
             raise ConfigError("--preset", f"{named!r} is not one of {', '.join(PRESETS)}")
         return cast(Preset, named)
-    return "demo" if settings.get("engine", {}).get("model", "tiny") == "tiny" else "real"
+    return PRESET_FOR_MODEL.get(settings.get("engine", {}).get("model", "tiny"), "real")
+
+
+def with_preset(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings laid over their preset.
+
+    A preset's harness options belong to its harness: they are dropped when the settings choose
+    another harness (`--preset agent --harness opencode` gets opencode's defaults, not mini-swe-agent's).
+    """
+    preset = preset_for(settings)
+    base = PRESETS[preset]
+    harness = settings.get("rollouts", {}).get("harness")
+    if harness is not None and harness != base.get("rollouts", {}).get("harness", harness):
+        base = {**base, "rollouts": {**base["rollouts"], "harness_options": {}}}
+    return merge(base, {**settings, "preset": preset})
 
 
 def resolve(*layers: dict[str, Any]) -> RunConfig:
     """The configuration from settings layers (a config file, then the flags), over their preset."""
-    from harness_rl.flags import flag_for_path, flags_of
+    return _convert(with_preset(_merged(layers)), RunConfig)
 
+
+def resolve_eval(*layers: dict[str, Any]) -> EvalConfig:
+    """`eval`'s configuration from settings layers over their preset (a run's config.toml is a valid layer:
+    its learner and output sections are ignored); no tasks given means the preset's."""
+    settings = with_preset(_merged(tuple({k: v for k, v in layer.items() if k not in EVAL_IGNORED_SECTIONS}
+                                         for layer in layers)))
+    for section in EVAL_IGNORED_SECTIONS:
+        settings.pop(section, None)
+    if not settings.get("tasks") and settings.get("rollouts", {}).get("tasks"):
+        settings["tasks"] = [settings["rollouts"]["tasks"]]
+    return _convert(settings, EvalConfig)
+
+
+def _merged(layers: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for layer in layers:
         settings = merge(settings, layer)
-    preset = preset_for(settings)
+    return settings
+
+
+def _convert(settings: dict[str, Any], struct: type[StructT]) -> StructT:
+    """`settings` as `struct`; a validation error names the flag that sets the bad value."""
+    from harness_rl.flags import flag_for_path, flags_of
+
     try:
-        return msgspec.convert(merge(PRESETS[preset], {**settings, "preset": preset}), RunConfig)
+        return msgspec.convert(settings, struct)
     except msgspec.ValidationError as exc:
         text, _, where = str(exc).partition(" - at `")
-        setting = flag_for_path(flags_of(RunConfig), where.rstrip("`")) if where else "config"
+        setting = flag_for_path(flags_of(struct), where.rstrip("`")) if where else "config"
         raise ConfigError(setting, text.replace("`", "").replace("Expected", "expected")) from None
 
 
@@ -286,7 +376,30 @@ def check(config: RunConfig) -> None:
     _check_output(config)
 
 
+def check_eval(config: EvalConfig) -> None:
+    """What `check` finds wrong in the run these rollouts are sampled as, for every task source; the output
+    directory must not hold an evaluation already."""
+    if not config.tasks:
+        raise ConfigError("--tasks", "required: a Harbor task dir, a dir of them, or hf://<dataset repo>")
+    run = config.run_config()
+    _check_engine(run)
+    for tasks in config.tasks:
+        _check_rollouts(msgspec.structs.replace(run, rollouts=msgspec.structs.replace(run.rollouts, tasks=tasks)))
+    if config.baseline is not None and not baseline_file(config.baseline).is_file():
+        raise ConfigError("--baseline", f"no evaluation at {config.baseline} (an eval.json or a directory holding one)")
+    if config.output_dir is not None and (Path(config.output_dir) / "eval.json").exists():
+        raise ConfigError("--output-dir", f"{config.output_dir} already holds an evaluation; choose another directory")
+
+
+def baseline_file(baseline: str) -> Path:
+    """An evaluation's eval.json, given it or its directory."""
+    path = Path(baseline)
+    return path / "eval.json" if path.is_dir() else path
+
+
 def _check_engine(config: RunConfig) -> None:
+    from harness_rl.models import run_model
+
     engine, model = config.engine.engine, config.engine.model
     embedded, vllm = engine == "embedded", engine == "vllm"
     if not embedded and not vllm and not re.match(r"^https?://[^/\s]+", engine):
@@ -300,16 +413,17 @@ def _check_engine(config: RunConfig) -> None:
             find_vllm_python(config.engine.vllm_python)
         except VllmSetupError as exc:
             raise ConfigError("--engine", f"vllm: {exc}") from None
-    if model == "tiny":
+    if model in BUILT_MODELS:
         if not embedded and not vllm:
             raise ConfigError("--model", "with --engine URL, name the weights that engine serves (a local directory "
                                          "or hub id) so the learner trains the same model")
-    elif not (Path(model) / "config.json").is_file():
+    elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
         if Path(model).exists():
-            raise ConfigError("--model", f"{model} is not a model directory (no config.json)")
+            raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
+                                         "checkpoint")
         if embedded or not HUB_ID.match(model):
             where = "a local model directory" if embedded else "a local model directory or a hub id (org/name)"
-            raise ConfigError("--model", f"{model!r} is neither 'tiny' nor {where}")
+            raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
     allowed = ("auto", "inprocess", "none") if embedded else ("auto", "nccl", "reload", "none") if vllm else (
         "auto", "http", "nccl", "reload", "none")
     if config.engine.weight_sync not in allowed:
@@ -317,6 +431,12 @@ def _check_engine(config: RunConfig) -> None:
                                            f"of {', '.join(allowed)}")
     if config.proxy.sampling.temperature is None:
         raise ConfigError("--temperature", "training needs one pinned sampling temperature (the learner's)")
+    if model == "tiny-agent":
+        from harness_rl.tiny_agent import HARNESSES
+
+        if config.rollouts.harness not in HARNESSES:
+            raise ConfigError("--model", f"tiny-agent is built for {', '.join(HARNESSES)} (its teacher's prompts), "
+                                         f"not {config.rollouts.harness}")
 
 
 def _check_rollouts(config: RunConfig) -> None:

@@ -3,7 +3,8 @@
 Every leaf field of the Struct (nested Structs are walked) becomes `--field-name`, its help is the
 field's description followed by its default, its type and constraints come from the annotation, and
 parsed values land back at the field's path. A field's `Meta(extra={"flag": ...})` renames its flag
-(`"--proxy-port"`) or hides it (`None`). Optional fields accept the word `none`.
+(`"--proxy-port"`) or hides it (`None`). Optional fields accept the word `none`; a list field's flag
+is repeated (`--tasks A --tasks B`).
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ class Flag:
     type: mi.Type
     optional: bool
     default: Any
+    repeated: bool = False  # a list field: each use of the flag adds one item
 
     @property
     def dest(self) -> str:
         return "cfg__" + "__".join(self.path)
 
 
-def flags_of(struct: type[msgspec.Struct], *, internal: bool = False) -> list[Flag]:
+def flags_of(struct: type[msgspec.Struct], *, internal: bool = False,
+             exclude: frozenset[str] = frozenset()) -> list[Flag]:
     """Every flag of a configuration Struct, in field order (nested Structs inline).
 
     Fields marked `internal` (set by whoever starts that component) get flags only when asked for:
-    `serve proxy` exposes the proxy's upstream and store, `train` sets them itself.
+    `serve proxy` exposes the proxy's upstream and store, `train` sets them itself. `exclude` names
+    dotted field paths a command does not offer (`eval` has its own `--tasks`, not `rollouts.tasks`).
     """
-    return list(_walk(mi.type_info(struct), (), internal))
+    return [flag for flag in _walk(mi.type_info(struct), (), internal) if ".".join(flag.path) not in exclude]
 
 
 def _walk(info: mi.Type, path: tuple[str, ...], internal: bool) -> Iterator[Flag]:
@@ -63,8 +67,12 @@ def _walk(info: mi.Type, path: tuple[str, ...], internal: bool) -> Iterator[Flag
             kind = next(t for t in kind.types if not isinstance(t, mi.NoneType))
         default = field.default if field.default is not mi.NODEFAULT else (
             field.default_factory() if field.default_factory is not mi.NODEFAULT else None)
+        repeated = isinstance(kind, mi.ListType)
+        if repeated:
+            assert isinstance(kind, mi.ListType)
+            kind = kind.item_type
         yield Flag(flag or "--" + field.name.replace("_", "-"), (*path, field.name),
-                   str(meta.get("description", "")), kind, optional, default)
+                   str(meta.get("description", "")), kind, optional, default, repeated)
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
@@ -82,6 +90,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
         if isinstance(flag.type, mi.LiteralType):
             kwargs["choices"] = [*flag.type.values, *([NONE_WORD] if flag.optional else [])]
             kwargs["metavar"] = "{" + ",".join(map(str, kwargs["choices"])) + "}"
+        if flag.repeated:
+            kwargs["action"] = "append"
         parser.add_argument(flag.name, type=_parser(flag), **kwargs)
 
 
@@ -127,6 +137,8 @@ def show(value: Any) -> str:
         return "on" if value else "off"
     if isinstance(value, str) and not value:
         return "(required)"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
     return str(value)
 
 

@@ -23,6 +23,7 @@ def _mean(values: list[float]) -> float | None:
 
 def summarize(rows: list[dict[str, float]], *, duration_s: float) -> dict[str, Any]:
     rewards = [row["reward"] for row in rows if "reward" in row]
+    later = sum(row.get("rollout/later_turns", 0.0) for row in rows)
     return {
         "steps": int(rows[-1]["step"]) if rows else 0,
         "duration_s": round(duration_s, 1),
@@ -30,6 +31,8 @@ def summarize(rows: list[dict[str, float]], *, duration_s: float) -> dict[str, A
         "reward_last_steps": _mean(rewards[-WINDOW:]),
         "reward_window_steps": WINDOW,
         "loss_last": rows[-1].get("loss") if rows else None,
+        # agent turns after each rollout's first that chained onto the one before (harness_rl.rollout_stats)
+        "chained_turns_share": sum(row.get("rollout/chained_turns", 0.0) for row in rows) / later if later else None,
         "policy_version": int(rows[-1]["policy_version"]) if rows and "policy_version" in rows[-1] else 0,
     }
 
@@ -64,6 +67,8 @@ def write_report(output_dir: Path, *, started: float) -> dict[str, Any]:
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     first, last = summary["reward_first_steps"], summary["reward_last_steps"]
     change = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "n/a"
+    chained = summary["chained_turns_share"]
+    chain = f"; {chained:.1%} of later agent turns chained" if chained is not None else ""
     print(f"done: {summary['steps']} steps in {summary['duration_s']:.0f}s; mean reward over the first/last "
-          f"{WINDOW} steps {change}; outputs in {output_dir}")
+          f"{WINDOW} steps {change}{chain}; outputs in {output_dir}")
     return summary

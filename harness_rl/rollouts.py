@@ -19,12 +19,16 @@ What counts as what:
 
 The scheduler's position (next task, groups started) is exported with `state_dict()` for
 checkpoints. Groups that were in flight when a checkpoint was taken are not replayed on resume.
+
+With a `seed`, each rollout's agent is asked to send the sampling seed `rollout_seed(seed, task,
+index)` (harnesses that can, see `Endpoint.seed`), so an evaluation samples the same rollouts again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import secrets
@@ -54,6 +58,12 @@ class RolloutConfigError(ValueError):
     """A setting that would make every rollout fail (e.g. a loopback proxy URL for a cloud sandbox)."""
 
 
+def rollout_seed(seed: int, task: str, index: int) -> int:
+    """A sampling seed for the `index`-th rollout of `task`, stable across runs and machines (31 bits)."""
+    digest = hashlib.sha256(f"{seed}/{task}/{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1
+
+
 def max_groups_in_flight(config: RolloutConfig) -> int:
     """Enough groups to keep every rollout slot busy, plus one starting while the last ones finish."""
     return max(1, math.ceil(config.max_concurrent_rollouts / config.num_generations)) + 1
@@ -70,6 +80,7 @@ class RolloutScheduler:
         rollout_reward_fn: RewardFn = default_reward,
         harness: Harness | None = None,
         sandbox_factory: Callable[[], Sandbox] | None = None,
+        seed: int | None = None,
     ) -> None:
         if not tasks:
             raise RolloutConfigError("no tasks to run")
@@ -80,6 +91,7 @@ class RolloutScheduler:
         self.harness = harness or create_harness(self.config.harness, **self.config.harness_options)
         self.sandbox_factory = sandbox_factory or (
             lambda: create_sandbox(self.config.sandbox, **self.config.sandbox_options))
+        self.seed = seed
         self.task_cursor = 0
         self.groups_started = 0
         self._slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
@@ -148,8 +160,9 @@ class RolloutScheduler:
                 self._check_reachable(sandbox, session)
                 await sandbox.allow(session.openai_base_url)
                 await sandbox.allow(session.anthropic_base_url)
+                seed = rollout_seed(self.seed, task.name, index) if self.seed is not None else None
                 endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key,
-                                    gemini_base_url=session.gemini_base_url)
+                                    gemini_base_url=session.gemini_base_url, seed=seed)
                 run = await self.harness.run(sandbox, endpoint, task.instruction, self._agent_timeout(task))
                 await self.proxy.close_session(session.id)
                 closed, session = session, None

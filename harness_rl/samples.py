@@ -23,6 +23,7 @@ import msgspec
 
 from harness_rl.grpo import Normalization, group_advantages, token_weights
 from harness_rl.outcome import RolloutGroup
+from harness_rl.rollout_stats import trace_stats
 from harness_rl.rows import NO_VERSION, Row, trace_rows
 from harness_rl.trace import TraceValidationError, TrainingTrace
 
@@ -54,12 +55,16 @@ def build_samples(
     rows_per_rollout: list[int] = []
     turns_per_rollout: list[int] = []
     sources = {"spliced": 0, "rendered": 0}
+    chained = later = 0
     staleness: list[int] = []
     for group in groups:
         for outcome in group.outcomes:
             for turn in outcome.trace.turns if outcome.trace is not None else ():
                 if turn.role == "agent" and turn.prompt_source is not None:
                     sources[turn.prompt_source] += 1
+            if outcome.trace is not None:
+                stats = trace_stats(outcome.trace)
+                chained, later = chained + stats.chained_turns, later + stats.later_turns
         scores = [o.reward for o in group.outcomes]
         rewards.extend(r for r in scores if r is not None)
         counts["unscorable"] += sum(r is None for r in scores)
@@ -111,6 +116,9 @@ def build_samples(
         "rollout/turns_max": float(max(turns_per_rollout, default=0)),
         "rollout/spliced_turns": float(sources["spliced"]),
         "rollout/rendered_turns": float(sources["rendered"]),
+        "rollout/chained_turns": float(chained),  # agent turns after a rollout's first that chain onto the one before
+        "rollout/later_turns": float(later),
+        "rollout/chained_frac": chained / later if later else 0.0,
     }
     return samples, metrics
 

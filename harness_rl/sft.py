@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from harness_rl.config import SftConfig
+from harness_rl.engine.engine import set_threads
 from harness_rl.learner import attention_kernel, torch_device
 from harness_rl.packing import MicroBatch, pack, packed_logprobs
 from harness_rl.rows import trace_rows
@@ -167,6 +168,8 @@ def sft(config: SftConfig, progress: bool = True) -> SftSummary:
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                       attn_implementation=attention_kernel(device))
     model.to(device)
+    if device.type == "cpu":
+        set_threads(model)
     model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -209,14 +212,13 @@ def sft(config: SftConfig, progress: bool = True) -> SftSummary:
 
 
 def resolve_model(model: str, seed: int) -> Path:
-    """The model directory: `tiny` is built offline (cached); anything else must be a model dir."""
-    if model == "tiny":
-        from harness_rl.engine import build_tiny_model, default_cache_dir
+    """The model directory: `tiny` and `tiny-agent` are built offline (cached); anything else must be a model dir."""
+    from harness_rl.models import model_dir
 
-        return build_tiny_model(default_cache_dir(seed), seed=seed)
-    path = Path(model).expanduser()
+    path = model_dir(model, seed=seed)
     if not (path / "config.json").is_file():
-        raise SftError(f"--model {model}: not a model directory (no config.json); give a local model dir or tiny")
+        raise SftError(f"--model {model}: not a model directory (no config.json); give a local model dir, tiny "
+                       "or tiny-agent")
     return path
 
 

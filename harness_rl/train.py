@@ -60,17 +60,21 @@ class Engine:
 def start_engine(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engine:
     """The embedded engine in this process, vLLM started as a child, or a client of the engine at `--engine URL`."""
     from harness_rl import weight_sync as ws
+    from harness_rl.models import model_dir
 
     settings = config.engine
     if settings.engine == "vllm":
         return _start_vllm(config, loop, run_dir)
+    path = model_dir(settings.model, seed=config.seed, harness=config.rollouts.harness)
     if settings.engine == "embedded":
+        from harness_rl.config import BUILT_MODELS
         from harness_rl.engine import Engine as EmbeddedEngine
         from harness_rl.engine import serve_in_thread
         from harness_rl.engine.engine import DEFAULT_MAX_MODEL_LEN
 
-        engine = EmbeddedEngine.from_pretrained(settings.model, seed=config.seed,
-                                                max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        engine = EmbeddedEngine.from_pretrained(
+            path, seed=config.seed, max_model_len=settings.max_model_len or DEFAULT_MAX_MODEL_LEN,
+            served_model_name=settings.model if settings.model in BUILT_MODELS else None)
         server = serve_in_thread(engine)
         sync: WeightSync = ws.NoSync() if settings.weight_sync == "none" else ws.InProcessSync(engine)
 
@@ -85,8 +89,7 @@ def start_engine(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engi
     if kind == "auto":
         kind = "http" if _is_embedded_engine(url) else "nccl"
     _require_exact_capture(url, kind)
-    return Engine(url, Path(settings.model), _sync(kind, url, loop, config, run_dir, Path(settings.model)),
-                  lambda: None)
+    return Engine(url, path, _sync(kind, url, loop, config, run_dir, path), lambda: None)
 
 
 def _require_exact_capture(url: str, weight_sync: str) -> None:
@@ -118,16 +121,16 @@ def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engin
     import shlex
 
     from harness_rl import vllm_server as vs
-    from harness_rl.engine import build_tiny_model, default_cache_dir
+    from harness_rl.config import BUILT_MODELS
+    from harness_rl.models import model_dir as resolve_model
     from harness_rl.weight_sync import free_port
 
     settings = config.engine
-    model_dir = build_tiny_model(default_cache_dir(config.seed), seed=config.seed) if settings.model == "tiny" \
-        else Path(settings.model)
+    model_dir = resolve_model(settings.model, seed=config.seed, harness=config.rollouts.harness)
     python = vs.find_vllm_python(settings.vllm_python)
     cuda = vs.has_cuda(python)
     launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(),
-                            served_model_name="tiny" if settings.model == "tiny" else None,
+                            served_model_name=settings.model if settings.model in BUILT_MODELS else None,
                             extra_args=shlex.split(settings.vllm_args))
     print(f"harness-rl train: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)

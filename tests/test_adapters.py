@@ -85,11 +85,12 @@ async def test_claude_code_every_model_alias_is_the_policy(sandbox) -> None:
 
 
 async def test_mini_swe_agent_config_file_comes_before_overrides(sandbox) -> None:
-    launch = create_harness("mini-swe-agent", step_limit=7).launch(sandbox, ENDPOINT, "do the task")
+    launch = create_harness("mini-swe-agent", step_limit=7, max_consecutive_format_errors=1).launch(
+        sandbox, ENDPOINT, "do the task")
     configs = [launch.argv[i + 1] for i, arg in enumerate(launch.argv) if arg == "-c"]
     assert configs[0] == "mini.yaml"
     assert f"model.model_kwargs.api_base={ENDPOINT.openai_base_url}" in configs
-    assert "agent.step_limit=7" in configs
+    assert "agent.step_limit=7" in configs and "agent.max_consecutive_format_errors=1" in configs
     assert launch.argv[launch.argv.index("-m", 3) + 1] == "openai/policy"
     assert launch.env["OPENAI_API_KEY"] == ENDPOINT.api_key
     assert launch.env["MSWEA_COST_TRACKING"] == "ignore_errors" and launch.env["MSWEA_CONFIGURED"] == "true"

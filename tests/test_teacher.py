@@ -1,13 +1,11 @@
-"""The teacher prototype end to end: the real mini-swe-agent replays two tasks' solve.sh through the
-proxy with forced completions, each rollout scores 1, the traces chain their turns and hold exactly
-the scripted replies as trained tokens, and `harness-rl sft` learns from them."""
+"""The teacher end to end: the real mini-swe-agent replays two tasks' solve.sh through the proxy with
+forced completions, each rollout scores 1 (an early stop scores 0), the traces chain their turns and
+hold exactly the scripted replies as trained tokens, a replay gives the same tokens again, and
+`harness-rl sft` learns from them."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,29 +13,47 @@ from transformers import AutoTokenizer
 
 from adapters.tasks import load_task
 from harness_rl.cli import main
+from harness_rl.config import AGENT_HARNESS_OPTIONS
+from harness_rl.teacher import Demo, TeacherError, script_for, teacher_traces
 from harness_rl.trace import TrainingTrace
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = [ROOT / "examples" / "agent-tasks" / "train" / name for name in ("make-script", "fix-typo")]
+TASKS = [ROOT / "examples" / "agent-tasks" / "train" / name for name in ("fix-typo", "make-script")]
 
 
-def test_teacher_traces_replay_the_solutions_and_train(tiny_model_dir: Path, tmp_path: Path) -> None:
-    tasks_dir, out = tmp_path / "tasks", tmp_path / "teacher"
-    for task in TASKS:
-        shutil.copytree(task, tasks_dir / task.name)
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "teacher_traces.py"), "--tasks", str(tasks_dir),
-                          "--output-dir", str(out), "--model", str(tiny_model_dir)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.strip().splitlines()[-1].startswith("teacher: 2/2 rollouts solved")
-    records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert [(r["reward"], r["unused_replies"], r["turns"]) for r in records] == [(1.0, 0, 3)] * 2
+def test_the_script_is_one_bash_call_per_solution_line_then_the_submit() -> None:
+    task = load_task(TASKS[0])
+
+    def commands(demo: Demo) -> list[str]:
+        replies = script_for(demo, "mini-swe-agent")
+        return [json.loads(reply.split("\n")[1])["arguments"]["command"] for reply in replies]
+
+    submit = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+    assert commands(Demo(task)) == ["cat notes.txt", "sed -i 's/helo/hello/' notes.txt", submit]
+    assert commands(Demo(task, 1)) == ["cat notes.txt", submit]
+    assert Demo(task).name == "harness-rl__fix-typo" and Demo(task, 1).name == "harness-rl__fix-typo__first-1"
+    with pytest.raises(TeacherError, match="no teacher script for opencode"):
+        script_for(Demo(task), "opencode")
+
+
+@pytest.mark.slow
+def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    tasks = [load_task(path) for path in TASKS]
+    demos = [Demo(tasks[0]), Demo(tasks[1]), Demo(tasks[0], 1)]
+    records = teacher_traces(demos, tiny_model_dir, tmp_path / "teacher", harness_options=AGENT_HARNESS_OPTIONS)
+    assert [(r.reward, r.unused_replies, r.turns, r.replayed) for r in records] == [
+        (1.0, 0, 3, True), (1.0, 0, 3, True), (0.0, 0, 2, True)]
+    assert [r.trace for r in records] == ["traces/harness-rl__fix-typo.json", "traces/harness-rl__make-script.json",
+                                          "traces/harness-rl__fix-typo__first-1.json"]
+    logged = [json.loads(line) for line in (tmp_path / "teacher" / "rollouts.jsonl").read_text().splitlines()]
+    assert [line["demo"] for line in logged] == [d.name for d in demos]
+    records = records[:2]
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    for record, task_dir in zip(records, sorted(TASKS), strict=True):
-        trace = TrainingTrace.load(out / record["trace"]).validate()
-        assert trace.metadata["reward"] == 1.0 and trace.metadata["task"] == record["task"]
+    traces = [TrainingTrace.load(tmp_path / "teacher" / str(r.trace)).validate() for r in records]
+    for trace, task in zip(traces, tasks, strict=True):
+        assert trace.metadata["reward"] == 1.0 and trace.metadata["task"] == task.name
         agents = [t for t in trace.turns if t.role == "agent"]
         assert len(agents) == len(trace.turns) == 3
         for parent, child in zip(agents, agents[1:], strict=False):
@@ -45,13 +61,19 @@ def test_teacher_traces_replay_the_solutions_and_train(tiny_model_dir: Path, tmp
             assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
         texts = [str(tokenizer.decode(t.completion_token_ids)) for t in agents]
         commands = [json.loads(text.split("\n")[1])["arguments"]["command"] for text in texts]
-        assert commands[:-1] == load_task(task_dir).solution_steps
+        assert commands[:-1] == task.solution_steps
         assert all(t.completion_mask == [1] * len(t.completion_token_ids) for t in agents)
+        prompt = str(tokenizer.decode(agents[0].prompt_token_ids))
+        assert "Linux 6.1.0 #1 SMP x86_64" in prompt  # the pinned uname, whatever machine this is
 
-    model = tmp_path / "sft"
-    assert main(["sft", "--traces", str(out / "traces"), "--model", str(tiny_model_dir), "--output-dir", str(model),
-                 "--epochs", "3", "--learning-rate", "3e-3"]) == 0
+    again = teacher_traces(demos[:1], tiny_model_dir, tmp_path / "again", harness_options=AGENT_HARNESS_OPTIONS)
+    replay = TrainingTrace.load(tmp_path / "again" / str(again[0].trace))
+    assert [t.sequence for t in replay.turns] == [t.sequence for t in traces[0].turns]
+
+    model = tmp_path / "sft"  # the early stop scores 0: --min-reward 1 (the default) leaves it out
+    assert main(["sft", "--traces", str(tmp_path / "teacher" / "traces"), "--model", str(tiny_model_dir),
+                 "--output-dir", str(model), "--epochs", "3", "--learning-rate", "3e-3"]) == 0
     summary = json.loads((model / "sft.json").read_text())
     assert summary["rows"] == 2 and summary["trained_tokens"] == sum(
-        len(t.completion_token_ids) for r in records for t in TrainingTrace.load(out / r["trace"]).turns)
+        len(t.completion_token_ids) for trace in traces for t in trace.turns)
     assert summary["epoch_loss"][-1] < summary["epoch_loss"][0] and summary["final_loss"] < summary["initial_loss"]

@@ -5,6 +5,15 @@ then dotted overrides for the proxy's `api_base`, the step limit (mini-swe-agent
 `drop_params`, and a no-op cost limit; cost tracking is set to ignore errors and litellm reads its
 bundled cost map instead of fetching one. The model is `openai/<leaf>` so litellm speaks OpenAI
 Chat and sends the leaf name. Its global config dir lives in the sandbox's private home.
+
+mini-swe-agent's prompt shows the machine's `uname` (system, release, version, machine: its
+template variables come from `platform.uname()`, then the environment, which wins). `uname` pins
+them through the environment, so the prompt is the same on every machine (the `tiny-agent` demo
+needs that). An endpoint's seed goes into every request (`model_kwargs.seed`).
+
+A reply without a tool call is a format error: mini-swe-agent leaves that reply out of its history
+and sends an error message instead, so the next call cannot continue the reply's tokens (a new
+training row). It exits after `max_consecutive_format_errors` of them in a row (its own default: 3).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from adapters.harnesses.base import Endpoint, Harness, Launch, Package, ToolRepo
 from adapters.sandboxes.base import ExecResult, Sandbox
 
 SUBMIT_COMMAND = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+UNAME_FIELDS = frozenset({"system", "node", "release", "version", "machine"})
 
 
 class MiniSweAgentHarness(Harness):
@@ -24,9 +34,15 @@ class MiniSweAgentHarness(Harness):
     dialect = "openai-chat"
     package = Package("pypi", "mini-swe-agent", "2.4.6", "mini")
 
-    def __init__(self, step_limit: int = 30, request_timeout_s: float = 3600.0) -> None:
+    def __init__(self, step_limit: int = 30, request_timeout_s: float = 3600.0,
+                 uname: dict[str, str] | None = None, max_consecutive_format_errors: int = 3) -> None:
+        unknown = set(uname or {}) - UNAME_FIELDS
+        if unknown:
+            raise ValueError(f"mini-swe-agent uname: unknown fields {sorted(unknown)}; use {sorted(UNAME_FIELDS)}")
         self.step_limit = step_limit
         self.request_timeout_s = request_timeout_s
+        self.uname = dict(uname or {})
+        self.max_consecutive_format_errors = max_consecutive_format_errors
 
     def trajectory_path(self, sandbox: Sandbox) -> str:
         return str(PurePosixPath(sandbox.logs_dir) / "agent" / "mini-swe-agent.traj.json")
@@ -44,8 +60,11 @@ class MiniSweAgentHarness(Harness):
             "-c", "model.model_kwargs.drop_params=true",
             "-c", f"model.model_kwargs.timeout={self.request_timeout_s:g}",
             "-c", f"agent.step_limit={self.step_limit}",
+            "-c", f"agent.max_consecutive_format_errors={self.max_consecutive_format_errors}",
             "-c", "agent.cost_limit=0",
         ]
+        if endpoint.seed is not None:
+            argv += ["-c", f"model.model_kwargs.seed={endpoint.seed}"]
         env = isolated_env(
             sandbox,
             OPENAI_API_KEY=endpoint.api_key,
@@ -56,6 +75,7 @@ class MiniSweAgentHarness(Harness):
             LITELLM_LOCAL_MODEL_COST_MAP="True",
             LITELLM_TELEMETRY="False",
             PYTHONUNBUFFERED="1",
+            **self.uname,
         )
         return Launch(argv=argv, env=env)
 

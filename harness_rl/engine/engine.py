@@ -47,6 +47,20 @@ PREFILL_CHUNK = 2048
 PROMPT_LOGITS_BUDGET = 1 << 24
 
 
+def set_threads(model: torch.nn.Module, num_threads: int | None = None) -> None:
+    """Set torch's intra-op threads (process-wide) for running `model` on the CPU.
+
+    Left at None, models under `SMALL_MODEL_PARAMS` get 1: their kernels are too small to gain from
+    threads, and multi-threaded kernels run ~10-20x slower when other processes share the cores
+    (measured on the 2-core CI box, for generation and for training steps alike). Larger models keep
+    torch's default.
+    """
+    if num_threads is None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        num_threads = 1
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+
+
 class EngineClosed(RuntimeError):
     """The engine was closed while a request was waiting or running."""
 
@@ -107,10 +121,7 @@ class Engine:
     ) -> "Engine":
         """Load a local causal-LM directory, or `"tiny"`: the offline tiny model, built if needed.
 
-        `num_threads` sets torch's intra-op threads, which is process-wide. Left at None, models
-        under `SMALL_MODEL_PARAMS` get 1: their kernels are too small to gain from threads, and
-        multi-threaded kernels called from the worker thread run ~20x slower per token when other
-        processes share the cores (measured on the 2-core CI box). Larger models keep torch's default.
+        `num_threads` sets torch's intra-op threads, which is process-wide (`set_threads`).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,10 +137,7 @@ class Engine:
             name = served_model_name or path.name
         tokenizer = AutoTokenizer.from_pretrained(path)
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        if num_threads is None and sum(p.numel() for p in loaded.parameters()) < SMALL_MODEL_PARAMS:
-            num_threads = 1
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        set_threads(loaded, num_threads)
         return cls(loaded, tokenizer, served_model_name=name, seed=seed, **kwargs)
 
     @property

@@ -1,0 +1,38 @@
+"""`harness-rl build-model tiny|tiny-agent`: build (or find in the cache) a model harness-rl makes offline.
+
+Prints the model directory. `--model tiny-agent` anywhere builds it on first use too; this command
+builds it ahead (e.g. before timing a run) and says where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harness_rl.config import BUILT_MODELS
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "build-model", help="build tiny or tiny-agent offline (cached) and print its directory",
+        description="tiny: a random 0.8M-parameter Qwen2 and a BPE tokenizer, built in seconds. tiny-agent: tiny "
+                    "fine-tuned (harness-rl sft) on teacher traces of mini-swe-agent replaying the reference "
+                    "solutions of examples/agent-tasks/train, deliberately under-trained (a few minutes on a CPU). "
+                    "Both are deterministic and cached under $HARNESS_RL_CACHE (default ~/.cache/harness-rl).")
+    parser.add_argument("name", choices=BUILT_MODELS)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the build (default: 0)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from harness_rl.models import model_dir
+    from harness_rl.teacher import TeacherError
+    from harness_rl.tiny_agent import TinyAgentError
+
+    try:
+        print(model_dir(args.name, seed=args.seed))
+    except (TinyAgentError, TeacherError) as exc:
+        print(f"harness-rl build-model: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,79 @@
+"""`harness-rl eval`: sample an agent on task splits and report success, reward, turns and chaining.
+
+Flags are generated from `harness_rl.config.EvalConfig` (the engine, proxy and rollouts settings of
+`train`, plus `--tasks` repeated per split and `--num-samples`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from harness_rl.config import EVAL_EXCLUDED, PRESETS, EvalConfig
+from harness_rl.flags import add_flags, flags_of
+
+FLAGS = flags_of(EvalConfig, exclude=EVAL_EXCLUDED)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "eval", help="measure an agent on tasks: success, reward, turns, tokens, chained turns",
+        description="Run --num-samples rollouts of every task of every --tasks split through the capture proxy "
+                    "(no training), and report per task and per split: success rate, mean reward, agent turns, "
+                    "tool calls, generated tokens and the share of later agent turns that chain onto their "
+                    "predecessor. Writes RUN/eval.json, RUN/rollouts.jsonl and RUN/traces/ (as train does).")
+    parser.add_argument("--config", metavar="FILE", help="TOML or JSON settings (a run's config.toml works: its "
+                                                          "learner and output sections are ignored); flags override")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the model's: "
+                                                                  "tiny: demo, tiny-agent: agent; else real)")
+    add_flags(parser, FLAGS)
+    parser.set_defaults(run=run)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
+    from harness_rl import config as cfg
+    from harness_rl.flags import collect
+
+    try:
+        layers = [cfg.load_file(args.config)] if args.config else []
+        flags = collect(args, FLAGS)
+        if args.preset:
+            flags["preset"] = args.preset
+        config = cfg.resolve_eval(*layers, flags)
+        cfg.check_eval(config)
+    except cfg.ConfigError as exc:
+        print(f"harness-rl eval: {exc}", file=sys.stderr)
+        return 2
+
+    from harness_rl.evaluate import evaluate, table
+    from harness_rl.train import RunStopped
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        report = evaluate(config)
+    except KeyboardInterrupt:
+        print("harness-rl eval: interrupted; rollouts and sessions closed", file=sys.stderr)
+        return 130
+    except RunStopped as exc:
+        print(f"harness-rl eval: stopped: {exc}", file=sys.stderr)
+        return 1
+    print(table(report))
+    if config.baseline is not None:
+        import msgspec
+
+        from harness_rl.config import baseline_file
+        from harness_rl.evaluate import EvalReport, comparison
+
+        before = msgspec.json.decode(baseline_file(config.baseline).read_bytes(), type=EvalReport)
+        print(f"\nbefore: {before.model} ({before.output_dir}); after: {report.model}")
+        print(comparison(before, report))
+    print(f"eval: {sum(s.samples for s in report.splits)} rollouts in {report.duration_s:.0f}s "
+          f"(load average {' '.join(f'{v:.2f}' for v in report.load_average)}); outputs in {report.output_dir}")
+    return 0

@@ -1,0 +1,64 @@
+"""The tiny-agent's cache key: it changes with everything the build depends on, and nothing machine-specific."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from harness_rl.config import AGENT_HARNESS_OPTIONS, PINNED_UNAME, resolve
+from harness_rl.tiny_agent import (
+    COMPLETE,
+    EARLY_STOP_STEPS,
+    HABIT,
+    TEACHER_TASKS,
+    TinyAgentError,
+    default_cache_dir,
+    recipe,
+    tasks_digest,
+)
+
+
+def test_the_task_digest_follows_every_file_of_the_tasks(tmp_path: Path) -> None:
+    copy = tmp_path / "train"
+    shutil.copytree(TEACHER_TASKS, copy)
+    assert tasks_digest(copy) == tasks_digest(TEACHER_TASKS)
+    solution = copy / "fix-typo" / "solution" / "solve.sh"
+    solution.write_text(solution.read_text().replace("cat notes.txt", "head notes.txt"))
+    changed = tasks_digest(copy)
+    assert changed != tasks_digest(TEACHER_TASKS)
+    (copy / "fix-typo" / "solution" / "README").write_text("")
+    assert tasks_digest(copy) != changed
+
+
+def test_the_recipe_names_its_inputs_and_keys_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.metadata
+
+    built = recipe(0)
+    assert built.harness == "mini-swe-agent" and built.harness_version == importlib.metadata.version("mini-swe-agent")
+    assert built.harness_options == AGENT_HARNESS_OPTIONS and built.harness_options["uname"] == PINNED_UNAME
+    assert built.sft == [{"min_reward": p.min_reward, "epochs": p.epochs, "learning_rate": p.learning_rate,
+                          "token_budget": p.token_budget, "weight_decay": p.weight_decay,
+                          "max_grad_norm": p.max_grad_norm} for p in (COMPLETE, HABIT)]
+    # the complete demonstrations (reward 1) first, then all of them, the early stops (reward 0) included
+    assert COMPLETE.min_reward == 1.0 and HABIT.min_reward == 0.0 and built.early_stop_steps == EARLY_STOP_STEPS
+    assert recipe(0).key == built.key and recipe(1).key != built.key
+    for change in ({"harness_version": "0"}, {"tasks_sha256": "0"}, {"sft": built.sft[::-1]},
+                   {"harness_options": {}}, {"tiny_recipe": "0"}, {"early_stop_steps": 2}):
+        assert msgspec.structs.replace(built, **change).key != built.key
+    monkeypatch.setenv("HARNESS_RL_CACHE", str(tmp_path))
+    assert default_cache_dir(built) == tmp_path / f"tiny-agent-0-{built.key}"
+
+
+def test_tiny_agent_is_built_for_mini_swe_agent_only() -> None:
+    with pytest.raises(TinyAgentError, match="built for mini-swe-agent, not opencode"):
+        recipe(0, "opencode")
+
+
+def test_the_agent_preset_runs_tiny_agent_with_the_teachers_harness_options() -> None:
+    config = resolve({"engine": {"model": "tiny-agent"}})
+    assert config.preset == "agent" and config.rollouts.harness == "mini-swe-agent"
+    assert config.rollouts.harness_options == recipe(0).harness_options
+    assert config.rollouts.max_tokens_per_turn is not None and config.rollouts.max_tokens_per_turn >= 64
