@@ -136,9 +136,10 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
 
     from adapters.tasks import load_tasks
     from harness_rl.background import BackgroundLoop
+    from harness_rl.models import vocab_size
     from harness_rl.rollouts import RolloutScheduler
     from harness_rl.run_files import RunFiles
-    from harness_rl.train import _vocab_size, start_engine
+    from harness_rl.train import start_engine
     from proxy.client import ProxyClient
     from proxy.server import start_proxy
 
@@ -158,7 +159,7 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
         closers.append(engine.close)
         proxy = loop.run(start_proxy(msgspec.structs.replace(
             config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
-            vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))), timeout=120)
+            vocab_size=config.proxy.vocab_size or vocab_size(engine.model_dir))), timeout=120)
         closers.append(lambda: loop.run(proxy.stop(), timeout=60))
         client = ProxyClient(proxy.url, proxy.admin_token)
         closers.append(lambda: loop.run(client.close(), timeout=30))

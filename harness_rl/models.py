@@ -7,6 +7,7 @@ takes the run's seed. `tiny-agent` is built for one harness's prompts (mini-swe-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -29,3 +30,14 @@ def run_model(path: Path) -> Path | None:
 
     checkpoint = latest_checkpoint(path)
     return checkpoint / "model" if checkpoint is not None else None
+
+
+def vocab_size(model_dir: Path) -> int | None:
+    """The model's vocabulary (its embedding rows), so the proxy refuses ids no engine serving it can sample;
+    vLLM's `/v1/models` does not say it."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return size if isinstance(size, int) and size > 0 else None

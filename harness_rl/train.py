@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.config import RunConfig, to_toml
+from harness_rl.models import vocab_size
 from harness_rl.outcome import RewardFn, RolloutGroup, default_reward
 
 if TYPE_CHECKING:
@@ -142,19 +143,6 @@ def _start_vllm(config: RunConfig, loop: BackgroundLoop, run_dir: Path) -> Engin
         server.stop()
         raise
     return Engine(server.url, model_dir, sync, server.stop)
-
-
-def _vocab_size(model_dir: Path) -> int | None:
-    """The model's vocabulary (its embedding rows), so the proxy refuses ids no engine serving it can sample;
-    vLLM's `/v1/models` does not say it."""
-    import json
-
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
-    return size if isinstance(size, int) and size > 0 else None
 
 
 def _is_embedded_engine(url: str) -> bool:
@@ -284,7 +272,7 @@ def build_run(config: RunConfig, *, harness: Harness | None = None,
         engine = start_engine(config, loop, output_dir)
         (output_dir / "config.toml").write_text(to_toml(config))
         proxy_config = msgspec.structs.replace(config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
-                                               vocab_size=config.proxy.vocab_size or _vocab_size(engine.model_dir))
+                                               vocab_size=config.proxy.vocab_size or vocab_size(engine.model_dir))
         proxy = loop.run(start_proxy(proxy_config), timeout=120)
         client = ProxyClient(proxy.url, proxy.admin_token)
         temperature = config.proxy.sampling.temperature or 1.0

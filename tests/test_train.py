@@ -287,9 +287,9 @@ def test_train_with_the_responses_and_gemini_clis_runs_to_the_end(tmp_path: Path
 def test_the_proxy_of_a_run_knows_the_models_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    from harness_rl.train import _vocab_size
+    from harness_rl.models import vocab_size
 
-    assert _vocab_size(tiny_model_dir) == AutoConfig.from_pretrained(tiny_model_dir).vocab_size > 0
+    assert vocab_size(tiny_model_dir) == AutoConfig.from_pretrained(tiny_model_dir).vocab_size > 0
     (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')  # a multimodal model's layout
-    assert _vocab_size(tmp_path) == 151936
-    assert _vocab_size(tmp_path / "missing") is None
+    assert vocab_size(tmp_path) == 151936
+    assert vocab_size(tmp_path / "missing") is None
