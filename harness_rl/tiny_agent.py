@@ -49,7 +49,6 @@ TEACHER_TASKS = AGENT_TASKS / "train"
 EARLY_STOP_STEPS = 1  # the imperfect demonstrations submit after this many solution lines
 COMPLETE = SftConfig(epochs=100, learning_rate=3e-3, token_budget=2048, min_reward=1.0)
 HABIT = SftConfig(epochs=5, learning_rate=3e-4, token_budget=2048, min_reward=0.0)
-STAMP_NAME = "harness_rl_recipe.json"
 
 
 class TinyAgentError(RuntimeError):
@@ -126,13 +125,14 @@ def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: 
     from adapters.tasks import load_tasks
     from harness_rl.engine import build_tiny_model
     from harness_rl.engine import default_cache_dir as tiny_cache_dir
+    from harness_rl.engine.tiny_model import is_cached, publish
     from harness_rl.sft import sft
     from harness_rl.teacher import Demo, teacher_traces
 
     built = recipe(seed, harness)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(built)
     expected = json.loads(msgspec.json.encode(built))
-    if _is_complete(cache_dir, expected):
+    if is_cached(cache_dir, expected):
         return cache_dir
     say = log or (lambda text: print(text, file=sys.stderr, flush=True))
     say(f"tiny-agent: building {cache_dir} (teacher traces of {harness} on {TEACHER_TASKS.name}/, then sft)")
@@ -160,22 +160,8 @@ def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: 
             model = out
         shutil.rmtree(work / "teacher" / "proxy", ignore_errors=True)
         (work / "teacher").rename(staging / "teacher")
-        (staging / STAMP_NAME).write_text(json.dumps(expected, indent=2))
-        if cache_dir.exists() and not _is_complete(cache_dir, expected):
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        try:
-            staging.rename(cache_dir)
-        except OSError:
-            if not _is_complete(cache_dir, expected):
-                raise
+        publish(staging, cache_dir, expected)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return cache_dir
-
-
-def _is_complete(directory: Path, expected: dict[str, Any]) -> bool:
-    try:
-        return bool(json.loads((directory / STAMP_NAME).read_text()) == expected)
-    except (OSError, ValueError):
-        return False

@@ -31,12 +31,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train", help="train with GRPO on real agent rollouts (no flags: the embedded CPU demo)",
         description="Run agents on tasks through the capture proxy, score them with each task's verifier, and "
                     "train with GRPO; new weights go back into the engine after every step. Defaults are those of "
-                    "a real run; the demo preset (the default when --model is tiny or not given) changes a few "
-                    "for the CPU demo.")
+                    "a real run; the demo preset (the default when --model is tiny or not given) and the agent "
+                    "preset (for tiny-agent) change a few for the CPU demos.")
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (as --print-config writes); "
                                                           "flags override it")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: demo when "
-                                                                  "--model is tiny or not given, else real)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the model's: "
+                                                                  "tiny or none given: demo, tiny-agent: agent; "
+                                                                  "else real)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and "
                                                                     "exit")
     add_flags(parser, FLAGS, _default_text)

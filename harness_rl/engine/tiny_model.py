@@ -12,6 +12,7 @@ import random
 import shutil
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 from harness_rl.engine.chat_template import CHAT_TEMPLATE
 
@@ -51,7 +52,7 @@ def build_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
     """
     cache_dir = Path(cache_dir)
     expected = {"recipe": RECIPE_VERSION, "seed": seed}
-    if _is_complete(cache_dir, expected):
+    if is_cached(cache_dir, expected):
         return cache_dir
     staging = cache_dir.with_name(cache_dir.name + f".building-{random.getrandbits(32):08x}")
     staging.mkdir(parents=True)
@@ -59,25 +60,31 @@ def build_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
         tokenizer = _build_tokenizer(seed)
         tokenizer.save_pretrained(staging)
         _build_model(tokenizer, seed).save_pretrained(staging)
-        (staging / STAMP_NAME).write_text(json.dumps(expected))
-        if cache_dir.exists() and not _is_complete(cache_dir, expected):
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        try:
-            staging.rename(cache_dir)
-        except OSError:
-            if not _is_complete(cache_dir, expected):
-                raise
+        publish(staging, cache_dir, expected)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return cache_dir
 
 
-def _is_complete(directory: Path, expected: dict) -> bool:
-    stamp = directory / STAMP_NAME
+def is_cached(directory: Path, expected: dict[str, Any]) -> bool:
+    """Whether `directory` is a finished build of the recipe `expected` (its stamp is written last)."""
     try:
-        return json.loads(stamp.read_text()) == expected
+        return bool(json.loads((directory / STAMP_NAME).read_text()) == expected)
     except (OSError, ValueError):
         return False
+
+
+def publish(staging: Path, cache_dir: Path, expected: dict[str, Any]) -> None:
+    """Stamp a finished build and move it into place in one rename; a stale or half-written `cache_dir`
+    is replaced, and a concurrent build that finished first is kept."""
+    (staging / STAMP_NAME).write_text(json.dumps(expected, indent=2))
+    if cache_dir.exists() and not is_cached(cache_dir, expected):
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    try:
+        staging.rename(cache_dir)
+    except OSError:
+        if not is_cached(cache_dir, expected):
+            raise
 
 
 def _corpus(seed: int) -> list[str]:
