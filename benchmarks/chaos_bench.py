@@ -95,7 +95,7 @@ class ProxyProcess:
         log = (self.store.parent / f"proxy-{self.port}.log").open("ab")
         self.process = subprocess.Popen(
             [PYTHON, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", self.engine, "--port", str(self.port),
-             "--store", str(self.store), *self.flags],
+             "--store", str(self.store), "--no-engine-check", *self.flags],
             env={**os.environ, "HARNESS_RL_ADMIN_TOKEN": ADMIN_TOKEN}, stdout=subprocess.PIPE, stderr=log)
         assert self.process.stdout is not None
         line = self.process.stdout.readline().decode()

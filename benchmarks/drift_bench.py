@@ -34,9 +34,10 @@ import anthropic
 import httpx
 import openai
 
-from harness_rl.background import BackgroundLoop, serve_proxy
+from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model, serve_in_thread
-from harness_rl.rows import trace_rows
+from harness_rl.learner.rows import trace_rows
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 

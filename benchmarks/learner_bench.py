@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness_rl.learner.packing import plan_bins
+from harness_rl.learner.rows import trace_rows
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
-from harness_rl.packing import plan_bins
-from harness_rl.rows import trace_rows
 from harness_rl.trace import TrainingTrace, Turn
 
 
@@ -70,10 +70,10 @@ def merging_report(rng: random.Random) -> None:
 
 
 def throughput_report(quick: bool) -> None:
-    from harness_rl.config import LearnerConfig
     from harness_rl.engine import build_tiny_model
-    from harness_rl.learner import Learner
-    from harness_rl.metrics import MetricsLogger
+    from harness_rl.learner.learner import Learner
+    from harness_rl.run.config import LearnerConfig
+    from harness_rl.run.metrics import MetricsLogger
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     turns, steps = (8, 2) if quick else (20, 3)
@@ -113,11 +113,11 @@ def staleness_report(quick: bool) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from harness_rl.config import LearnerConfig, LossConfig
     from harness_rl.engine import Engine, SamplingParams, build_tiny_model
-    from harness_rl.learner import Learner
-    from harness_rl.metrics import MetricsLogger
-    from harness_rl.weight_sync import InProcessSync
+    from harness_rl.learner.learner import Learner
+    from harness_rl.learner.weight_sync import InProcessSync
+    from harness_rl.run.config import LearnerConfig, LossConfig
+    from harness_rl.run.metrics import MetricsLogger
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from harness_rl.packing import pack, packed_logprobs
-from harness_rl.rows import Row
-from harness_rl.samples import Sample
+from harness_rl.learner.packing import pack, packed_logprobs
+from harness_rl.learner.rows import Row
+from harness_rl.learner.samples import Sample
 
 
 def kernels() -> list[str]:
@@ -77,10 +77,10 @@ def check_kernels(model_dir: Path) -> None:
 
 
 def time_learner(model_dir: Path) -> None:
-    from harness_rl.config import LearnerConfig
-    from harness_rl.learner import Learner
-    from harness_rl.metrics import MetricsLogger
+    from harness_rl.learner.learner import Learner
     from harness_rl.outcome import RolloutGroup, RolloutOutcome
+    from harness_rl.run.config import LearnerConfig
+    from harness_rl.run.metrics import MetricsLogger
     from harness_rl.trace import TrainingTrace, Turn
 
     learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, token_budget=16384),

@@ -310,7 +310,7 @@ def start_ours(engine: str, work: Path, *flags: str) -> Target:
     stats = work / f"ours-gc-{time.monotonic_ns()}.json"
     process = subprocess.Popen(
         [PYTHON, "-c", GC_WRAPPER, "harness_rl.cli", "serve", "proxy", "--upstream", engine, "--port", "0",
-         "--store", str(work / "store"), *flags],
+         "--store", str(work / "store"), "--no-engine-check", *flags],
         env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
         stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
     url = process.stdout.readline().decode().split()[3]

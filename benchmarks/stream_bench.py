@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from harness_rl.background import serve_proxy
 from harness_rl.engine import Engine, build_tiny_model, serve_in_thread
+from harness_rl.run.stack import serve_proxy
 from proxy.config import ProxyConfig
 
 

@@ -23,8 +23,8 @@ import torch
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model
-from harness_rl.vllm_server import VllmProcess, find_vllm_python, vllm_launch
-from harness_rl.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
+from harness_rl.learner.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
+from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, vllm_launch
 
 STEPS = [f.name for f in msgspec.structs.fields(SyncTimings)]
 QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,

@@ -8,14 +8,9 @@ coroutines with `run`; everything async in one process shares that loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from proxy.config import ProxyConfig
-    from proxy.server import RunningProxy
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -63,21 +58,3 @@ class BackgroundLoop:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def serve_proxy(config: ProxyConfig, loop: BackgroundLoop | None = None) -> Iterator[RunningProxy]:
-    """A proxy serving on `loop` (a fresh one when not given) until the block ends (tests, scripts)."""
-    from proxy.server import start_proxy
-
-    owned = loop is None
-    loop = loop or BackgroundLoop("harness-rl-proxy")
-    try:
-        running = loop.run(start_proxy(config), timeout=30)
-        try:
-            yield running
-        finally:
-            loop.run(running.stop(), timeout=30)
-    finally:
-        if owned:
-            loop.close()

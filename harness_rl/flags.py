@@ -31,6 +31,11 @@ class Flag:
     optional: bool
     default: Any
     repeated: bool = False  # a list field: each use of the flag adds one item
+    required: bool = False  # an empty default a preset or the user must fill
+
+    @property
+    def default_text(self) -> str:
+        return show(self.default, self.required)
 
     @property
     def dest(self) -> str:
@@ -72,14 +77,14 @@ def _walk(info: mi.Type, path: tuple[str, ...], internal: bool) -> Iterator[Flag
             assert isinstance(kind, mi.ListType)
             kind = kind.item_type
         yield Flag(flag or "--" + field.name.replace("_", "-"), (*path, field.name),
-                   str(meta.get("description", "")), kind, optional, default, repeated)
+                   str(meta.get("description", "")), kind, optional, default, repeated, bool(meta.get("required")))
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
               default_text: Callable[[Flag], str] | None = None) -> None:
     """Add each flag to `parser`; values not given stay absent from the namespace (argparse.SUPPRESS)."""
     for flag in flags:
-        shown = default_text(flag) if default_text else show(flag.default)
+        shown = default_text(flag) if default_text else flag.default_text
         help_text = f"{flag.description} (default: {shown})" if flag.description else f"(default: {shown})"
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": help_text,
                                   "metavar": flag.path[-1].upper()}
@@ -129,14 +134,14 @@ def collect(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, Any]:
     return out
 
 
-def show(value: Any) -> str:
-    """A default as the user would type it."""
+def show(value: Any, required: bool = False) -> str:
+    """A default as the user would type it; an empty one is `(required)` where the field must be filled."""
     if value is None:
         return NONE_WORD
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, str) and not value:
-        return "(required)"
+        return "(required)" if required else '""'
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
     return str(value)

@@ -43,8 +43,6 @@ class SamplingPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     truncation: Annotated[Truncation, msgspec.Meta(
         description="what to do with knobs that truncate the distribution (top_p, top_k, min_p, penalties)")] \
         = "neutralise"
-    max_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, msgspec.Meta(
-        description="proxy-wide cap on every request's max_tokens", extra={"flag": "--max-tokens-cap"})] = None
 
     def apply(self, knobs: Knobs, session_cap: int | None) -> tuple[Applied, Sampling]:
         """What the engine gets for these knobs, and the record of it; a refused knob is a 400."""
@@ -56,7 +54,7 @@ class SamplingPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 raise ProxyError(400, f"{knob}={value!r} would truncate the sampling distribution and make "
                                       f"behaviour logprobs lie; this proxy refuses it (leave {knob} unset)")
         temperature = self.temperature if self.temperature is not None else knobs.temperature
-        caps = [c for c in (knobs.max_tokens, self.max_tokens, session_cap) if c is not None]
+        caps = [c for c in (knobs.max_tokens, session_cap) if c is not None]
         applied = Applied(temperature=temperature, max_tokens=min(caps) if caps else None, seed=knobs.seed,
                           stop=knobs.stop)
         record = Sampling(temperature=temperature, max_tokens=applied.max_tokens, seed=knobs.seed,

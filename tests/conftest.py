@@ -88,7 +88,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
 @pytest.fixture
 def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
     """A proxy in front of the fake engine, logging under `tmp_path / "store"`."""
-    from harness_rl.background import serve_proxy
+    from harness_rl.run.stack import serve_proxy
     from proxy.config import ProxyConfig
 
     with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
@@ -99,7 +99,7 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
 @pytest.fixture
 def keepalive_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
     """A proxy that opens a slow call's stream with keep-alives after 0.1 s and never retries the engine."""
-    from harness_rl.background import serve_proxy
+    from harness_rl.run.stack import serve_proxy
     from proxy.config import ProxyConfig
 
     config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"), keepalive_s=0.1,

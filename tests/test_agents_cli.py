@@ -26,12 +26,11 @@ import pytest
 
 from adapters.harnesses import create_harness
 from adapters.tasks import Task, load_task
-from harness_rl.background import serve_proxy
-from harness_rl.config import RolloutConfig
+from harness_rl.learner.rows import trace_rows
+from harness_rl.learner.samples import build_samples
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
-from harness_rl.rollouts import RolloutScheduler
-from harness_rl.rows import trace_rows
-from harness_rl.samples import build_samples
+from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
+from harness_rl.run.stack import serve_proxy
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
@@ -61,7 +60,7 @@ def agent_clis() -> Path:
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
     config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("cli-store")),
-                         default_max_tokens_per_turn=64, default_max_turns=12)
+                         max_tokens_per_turn=64, max_turns=12)
     with serve_proxy(config) as running:
         yield running
 

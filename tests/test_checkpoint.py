@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_lm import build_tiny_lm
 
-from harness_rl.checkpoint import (
+from harness_rl.learner.checkpoint import (
     TrainerState,
     checkpoint_dir,
     latest_checkpoint,

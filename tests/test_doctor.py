@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from harness_rl.cli import main
-from harness_rl.doctor import EngineNotExact, Report, diagnose, measure_mismatch, require_exact_capture
 from harness_rl.engine import Engine, serve_in_thread
-from harness_rl.vllm_server import VllmProcess
+from harness_rl.tools.doctor import EngineNotExact, Report, diagnose, measure_mismatch, require_exact_capture
+from harness_rl.tools.vllm_server import VllmProcess
 
 
 def statuses(report: Report) -> dict[str, str]:

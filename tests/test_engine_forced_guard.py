@@ -1,7 +1,7 @@
 """Forced completions cannot be switched on by `harness-rl train`: only `serve engine` has the flag,
 and no library code outside the engine package, that command and the teacher passes
-`forced_completions=True`. The teacher (`harness_rl/teacher.py`, behind the `tiny-agent` build) enables
-them only on a private engine it starts itself and closes, never on one a run samples from."""
+`forced_completions=True`. The teacher (`harness_rl/demo/teacher.py`, behind the `tiny-agent` build) enables
+them only on a private embedded engine its own stack starts and closes, never on one a run samples from."""
 
 import re
 from pathlib import Path
@@ -24,7 +24,7 @@ def test_only_serve_engine_offers_the_flag() -> None:
 def test_no_library_code_enables_forced_completions() -> None:
     pattern = re.compile(r"forced_completions\s*=\s*(True|args\.|[a-z_]+\.enable)")
     engine = ROOT / "harness_rl" / "engine"
-    allowed = {ROOT / "harness_rl" / "commands" / "serve_engine.py", ROOT / "harness_rl" / "teacher.py",
+    allowed = {ROOT / "harness_rl" / "commands" / "serve_engine.py", ROOT / "harness_rl" / "demo" / "teacher.py",
                *engine.rglob("*.py")}
     offenders = [
         str(path.relative_to(ROOT))
@@ -36,6 +36,8 @@ def test_no_library_code_enables_forced_completions() -> None:
 
 
 def test_the_teacher_serves_forced_completions_only_from_an_engine_it_starts() -> None:
-    source = (ROOT / "harness_rl" / "teacher.py").read_text()
+    source = (ROOT / "harness_rl" / "demo" / "teacher.py").read_text()
     assert source.count("forced_completions=True") == 1
-    assert "engine = Engine.from_pretrained(" in source and "serve_in_thread(engine, forced_completions=True)" in source
+    assert 'EngineConfig(engine="embedded"' in source and "with Stack.start(config," in source
+    for run_level in ("train.py", "evaluate.py"):
+        assert "forced" not in (ROOT / "harness_rl" / "run" / run_level).read_text()

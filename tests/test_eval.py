@@ -10,19 +10,16 @@ import msgspec
 import pytest
 
 from harness_rl.cli import main
-from harness_rl.config import (
-    AGENT_HARNESS_OPTIONS,
-    ConfigError,
-    check_eval,
-    resolve,
-    resolve_eval,
-    to_toml,
-)
-from harness_rl.evaluate import measure, split_labels
+from harness_rl.demo import models
 from harness_rl.outcome import RolloutOutcome
-from harness_rl.rollout_stats import trace_stats
-from harness_rl.rollouts import rollout_seed
+from harness_rl.run.config import resolve, resolve_eval, to_toml
+from harness_rl.run.evaluate import measure, split_labels
+from harness_rl.run.preflight import check_eval
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
+from harness_rl.run.rollouts import rollout_seed
+from harness_rl.settings import ConfigError
 from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.trace.stats import trace_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_TASKS = ROOT / "examples" / "agent-tasks"
@@ -90,7 +87,7 @@ def test_eval_takes_a_runs_settings_and_its_preset() -> None:
 
 
 def test_eval_reads_a_runs_config_file_without_its_learner_and_output_sections(tmp_path: Path) -> None:
-    from harness_rl.config import load_file
+    from harness_rl.run.config import load_file
 
     run = resolve({"engine": {"model": "tiny-agent"}, "rollouts": {"max_tokens_per_turn": 80},
                    "output": {"output_dir": str(tmp_path / "run")}})
@@ -112,8 +109,10 @@ def test_a_presets_harness_options_stay_with_its_harness() -> None:
     ({"engine": {"model": "tiny-agent"}, "rollouts": {"harness": "opencode"}}, "--model"),
 ])
 def test_bad_eval_settings_name_their_flag(settings: dict, flag: str) -> None:
+    config = resolve_eval(settings)
     with pytest.raises(ConfigError) as caught:
-        check_eval(resolve_eval(settings))
+        check_eval(config)  # the run level's checks, then the demo's (a built model and its harness)
+        models.check(config.engine.model, config.rollouts.harness)
     assert caught.value.setting == flag
 
 

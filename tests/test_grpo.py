@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness_rl.config import LossConfig
-from harness_rl.grpo import Mismatch, group_advantages, grpo_loss, k3_kl, token_weights
+from harness_rl.learner.config import LossConfig
+from harness_rl.learner.grpo import Mismatch, group_advantages, grpo_loss, k3_kl, token_weights
 
 
 def test_advantages_exclude_unscorable_from_the_baseline():

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_lm import VOCAB, build_tiny_lm
 
-from harness_rl.config import LearnerConfig, LossConfig
-from harness_rl.learner import Learner, _schedule
-from harness_rl.metrics import MetricsLogger
+from harness_rl.learner.config import LearnerConfig, LossConfig
+from harness_rl.learner.learner import Learner, _schedule
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
+from harness_rl.run.metrics import MetricsLogger
 from harness_rl.trace import TrainingTrace, Turn
 
 
@@ -47,16 +47,12 @@ def config(loss: LossConfig | None = None, **overrides) -> LearnerConfig:
                          loss=loss or LossConfig())
 
 
-def quiet(tmp_path=None) -> MetricsLogger:
-    return MetricsLogger(tmp_path, console=False)
-
-
 def test_resume_continues_exactly_as_an_uninterrupted_run(model_dir, tmp_path):
     groups = make_groups(8)
-    straight = Learner(model_dir, config(), metrics=quiet())
+    straight = Learner(model_dir, config())
     expected = [straight.step(groups[2 * i:2 * i + 2])["loss"] for i in range(4)]
 
-    first = Learner(model_dir, config(), metrics=quiet(), output_dir=tmp_path)
+    first = Learner(model_dir, config(), output_dir=tmp_path)
     for i in range(2):
         first.step(groups[2 * i:2 * i + 2])
     first.extra_state = {"next_group": 4, "in_flight": [4, 5]}
@@ -64,7 +60,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(model_dir, tmp_path):
     assert path.name == "step-00000002" and (path / "model" / "config.json").is_file()
     torch.manual_seed(1234)  # the restored RNG must not depend on what happened in between
 
-    resumed = Learner(model_dir, config(), metrics=quiet())
+    resumed = Learner(model_dir, config())
     assert resumed.load(path) == {"next_group": 4, "in_flight": [4, 5]}
     assert (resumed.step_count, resumed.policy_version) == (2, 2)
     losses = [resumed.step(groups[2 * i:2 * i + 2])["loss"] for i in (2, 3)]
@@ -78,7 +74,7 @@ def test_micro_batching_does_not_change_the_step(model_dir):
     groups = make_groups(2, seed=3)
     params, metrics = [], []
     for budget in (40, 4096):
-        learner = Learner(model_dir, config(LossConfig(normalization="rollout"), token_budget=budget), metrics=quiet())
+        learner = Learner(model_dir, config(LossConfig(normalization="rollout"), token_budget=budget))
         metrics.append(learner.step(groups))
         params.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
     assert metrics[0]["batch/microbatches_per_step"] > 2 and metrics[1]["batch/microbatches_per_step"] == 1
@@ -98,7 +94,7 @@ def test_training_raises_the_rewarded_completion_and_lowers_the_other(model_dir)
         trace = TrainingTrace(rollout_id=rid, turns=[turn])
         return RolloutOutcome(rollout_id=rid, task="t", reward=reward, trace=trace)
 
-    learner = Learner(model_dir, config(lr_scheduler="constant", warmup_steps=0, max_staleness=None), metrics=quiet())
+    learner = Learner(model_dir, config(lr_scheduler="constant", warmup_steps=0, max_staleness=None))
 
     def logp(completion):
         with torch.no_grad():
@@ -114,11 +110,13 @@ def test_training_raises_the_rewarded_completion_and_lowers_the_other(model_dir)
 
 
 def test_every_step_logs_a_console_line_and_a_jsonl_record(model_dir, tmp_path, capsys):
-    learner = Learner(model_dir, config(), output_dir=tmp_path,
-                      metrics=MetricsLogger(tmp_path))
-    learner.step(make_groups(2))
+    learner = Learner(model_dir, config(), output_dir=tmp_path)
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, learner.step(make_groups(2)))
     flat = RolloutGroup(group_id=9, task="t", outcomes=[agent_outcome(random.Random(0), "x", 1.0, 1, 0)] * 2)
     skipped = learner.step([flat])
+    logger.log(2, skipped)
+    logger.close()
     learner.close()
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("step 1 | loss ") and "reward" in line and "clip" in line
@@ -146,14 +144,14 @@ def test_schedules_by_hand():
 def test_gradient_checkpointing_gives_the_same_step(model_dir):
     params = []
     for checkpointing in (False, True):
-        learner = Learner(model_dir, config(gradient_checkpointing=checkpointing), metrics=quiet())
+        learner = Learner(model_dir, config(gradient_checkpointing=checkpointing))
         learner.step(make_groups(2, seed=5))
         params.append(torch.cat([p.detach().flatten() for p in learner.model.parameters()]))
     assert (params[0] - params[1]).abs().max().item() < 1e-6
 
 
 def test_kl_penalty_uses_a_frozen_reference_model(model_dir):
-    learner = Learner(model_dir, config(LossConfig(beta=0.1)), metrics=quiet())
+    learner = Learner(model_dir, config(LossConfig(beta=0.1)))
     first = learner.step(make_groups(2, seed=6))
     second = learner.step(make_groups(2, seed=7))
     assert first["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
@@ -162,7 +160,7 @@ def test_kl_penalty_uses_a_frozen_reference_model(model_dir):
 
 
 def test_save_total_limit_keeps_the_newest_checkpoints(model_dir, tmp_path):
-    learner = Learner(model_dir, config(), output_dir=tmp_path, metrics=quiet(), save_total_limit=2)
+    learner = Learner(model_dir, config(), output_dir=tmp_path, save_total_limit=2)
     for i in range(3):
         learner.step(make_groups(2, seed=i))
         learner.save()
@@ -176,7 +174,7 @@ class FlakySync:
         self.failures, self.pushed = failures, []
 
     def push(self, model, version: int) -> None:
-        from harness_rl.weight_sync import WeightSyncError
+        from harness_rl.learner.weight_sync import WeightSyncError
 
         if self.failures:
             self.failures -= 1
@@ -188,10 +186,10 @@ class FlakySync:
 
 
 def test_a_failed_sync_is_retried_after_the_next_step_and_too_many_in_a_row_raise(model_dir, capsys):
-    from harness_rl.weight_sync import WeightSyncError
+    from harness_rl.learner.weight_sync import WeightSyncError
 
     sync = FlakySync(failures=2)
-    learner = Learner(model_dir, config(max_sync_failures=2, max_staleness=None), weight_sync=sync, metrics=quiet())
+    learner = Learner(model_dir, config(max_sync_failures=2, max_staleness=None), weight_sync=sync)
     metrics = [learner.step(make_groups(2, seed=i)) for i in range(3)]
     assert [m["weight_sync/consecutive_failures"] for m in metrics] == [1, 2, 0]
     assert sync.pushed == [3] and "weight sync failed (2 in a row)" in capsys.readouterr().err
@@ -203,7 +201,7 @@ def test_a_failed_sync_is_retried_after_the_next_step_and_too_many_in_a_row_rais
 
 
 def test_mismatch_is_measured_on_tokens_sampled_by_the_current_weights(model_dir):
-    learner = Learner(model_dir, config(lr_scheduler="constant", warmup_steps=0), metrics=quiet())
+    learner = Learner(model_dir, config(lr_scheduler="constant", warmup_steps=0))
     prompt, completions = [5, 6, 7], ([11, 12, 13], [21, 22, 23])
 
     def own_logps(completion):
@@ -233,15 +231,15 @@ def test_mismatch_is_measured_on_tokens_sampled_by_the_current_weights(model_dir
 def test_every_sync_is_checked_by_sampling_from_the_engine(tiny_model_dir):
     from harness_rl.background import BackgroundLoop
     from harness_rl.engine import Engine, serve_in_thread
-    from harness_rl.sync_check import SyncCheck
-    from harness_rl.weight_sync import InProcessSync, NoSync
+    from harness_rl.learner.weight_sync import InProcessSync, NoSync
+    from harness_rl.run.engines import EngineSampler
 
     engine = Engine.from_pretrained(tiny_model_dir)
     measured = {}
     with BackgroundLoop("sync-check") as loop, serve_in_thread(engine) as server:
         for seed, name, sync in ((0, "synced", InProcessSync(engine)), (1, "never synced", NoSync())):
             learner = Learner(tiny_model_dir, config(learning_rate=1e-2, lr_scheduler="constant", warmup_steps=0),
-                              weight_sync=sync, metrics=quiet(), sync_check=SyncCheck(server.url, loop, 1.0))
+                              weight_sync=sync, sync_check=EngineSampler(server.url, loop, 1.0))
             measured[name] = learner.step(make_groups(2, seed=seed))
             learner.close()
     engine.close()

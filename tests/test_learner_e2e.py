@@ -16,15 +16,18 @@ import torch
 
 from adapters.harnesses import AgentRun, Endpoint, Harness, Launch
 from adapters.sandboxes import Sandbox
-from harness_rl.background import BackgroundLoop, serve_proxy
-from harness_rl.config import LearnerConfig, resolve
+from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, serve_in_thread
-from harness_rl.learner import Learner
-from harness_rl.metrics import MetricsLogger
+from harness_rl.learner.config import LearnerConfig
+from harness_rl.learner.learner import Learner
+from harness_rl.learner.weight_sync import InProcessSync
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
+from harness_rl.run.config import resolve
+from harness_rl.run.metrics import MetricsLogger
+from harness_rl.run.proxy_gate import ProxyGate
+from harness_rl.run.stack import serve_proxy
+from harness_rl.run.train import build_run
 from harness_rl.trace import TrainingTrace
-from harness_rl.train import build_run
-from harness_rl.weight_sync import InProcessSync, ProxyGate
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
 
@@ -89,7 +92,8 @@ def test_mean_reward_rises_through_the_real_proxy_and_the_engine_samples_show_it
             serve_proxy(ProxyConfig(upstream=engine_server.url, store_dir=str(tmp_path / "store")), loop) as proxy:
         sync = ProxyGate(InProcessSync(engine), ProxyClient(proxy.url, proxy.admin_token), loop)
         learner = Learner(tiny_model_dir, LearnerConfig(learning_rate=1e-2, token_budget=4096, max_staleness=2),
-                          weight_sync=sync, output_dir=tmp_path / "run", metrics=MetricsLogger(tmp_path / "run"))
+                          weight_sync=sync, output_dir=tmp_path / "run")
+        logger = MetricsLogger(tmp_path / "run", console=False)
 
         async def train() -> tuple[list[float], list[dict], float, float, list[tuple[int, set[int]]]]:
             async with aiohttp.ClientSession() as http, ProxyClient(proxy.url, proxy.admin_token) as client:
@@ -105,10 +109,12 @@ def test_mean_reward_rises_through_the_real_proxy_and_the_engine_samples_show_it
                     rewards.append(sum(o.reward for o in outcomes) / GROUP_SIZE)
                     group = RolloutGroup(group_id=step, task="digits", outcomes=outcomes)
                     history.append(await asyncio.to_thread(learner.step, [group]))
+                    logger.log(step + 1, history[-1])
                 after = await engine_samples(http, engine_server.url, digits)
                 return rewards, history, before, after, versions
 
         rewards, history, before, after, versions = asyncio.run(train())
+        logger.close()
         learner.close()
     engine.close()
 
@@ -150,7 +156,8 @@ class TwoTurnChat(Harness):
 def test_it_still_learns_through_the_one_training_loop_while_rollouts_overlap_training(tiny_model_dir, tmp_path):
     """`build_run` + `Run.train`, the loop `harness-rl train` runs: rollouts keep going (a group ahead) while
     the learner trains, so groups arrive sampled by older versions; decoupled PPO trains them with
-    importance correction. (Clipping against the behaviour policy instead stalls here: see `harness_rl.grpo`.)"""
+    importance correction. (Clipping against the behaviour policy instead stalls here: see
+    `harness_rl.learner.grpo`.)"""
     import json
 
     from transformers import AutoTokenizer
@@ -161,12 +168,13 @@ def test_it_still_learns_through_the_one_training_loop_while_rollouts_overlap_tr
                       "learner": {"max_steps": OVERLAP_STEPS, "learning_rate": 1e-2, "token_budget": 4096,
                                   "max_staleness": 3, "loss": {"decoupled": True}},
                       "output": {"output_dir": str(tmp_path / "run"), "save_every": 0}})
-    run = build_run(config, harness=TwoTurnChat(), reward_fn=lambda outcome: digit_share(outcome.trace, digits))
+    run = build_run(config, tiny_model_dir, harness=TwoTurnChat(),
+                    reward_fn=lambda outcome: digit_share(outcome.trace, digits))
     try:
         run.train()
     finally:
         run.close()
-    engine = run.engine.sync.engine
+    engine = run.stack.engine.embedded
     learner = run.learner
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_rl.metrics import MetricsBackendError, MetricsLogger, parse_report_to
+from harness_rl.run.metrics import MetricsBackendError, MetricsLogger, parse_report_to
 
 STEPS = [
     {"reward": 0.25, "loss": -0.5, "sample/staleness_mean": 1.0, "mismatch_kl": 1e-3},
@@ -61,7 +61,7 @@ def test_only_the_named_backends_write(tmp_path):
 
 TRACKIO_SCRIPT = """
 import json, sys
-from harness_rl.metrics import MetricsLogger
+from harness_rl.run.metrics import MetricsLogger
 steps = json.loads(sys.argv[2])
 logger = MetricsLogger(sys.argv[1], console=False, report_to="trackio")
 for step, metrics in enumerate(steps, start=1):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_lm import VOCAB, build_tiny_lm
 
-from harness_rl.packing import fill_fraction, pack, packed_logprobs, plan_bins
-from harness_rl.rows import Row
-from harness_rl.samples import Sample
+from harness_rl.learner.packing import fill_fraction, pack, packed_logprobs, plan_bins
+from harness_rl.learner.rows import Row
+from harness_rl.learner.samples import Sample
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_under_bf16_autocast_the_head_and_logprobs_stay_float32(model):
 
 
 def test_one_packed_forward_only_with_flash_attention_and_attention_in_every_layer(model):
-    from harness_rl.packing import varlen_packing
+    from harness_rl.learner.packing import varlen_packing
 
     config = model.config
     saved = config._attn_implementation, getattr(config, "layer_types", None)

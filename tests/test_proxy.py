@@ -14,7 +14,7 @@ import pytest
 from fake_engine import IM_END, FakeEngine, Scripted, logprob_of
 from proxy_agent import TOOLS, Agent
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
 from proxy.client import ProxyClient, ProxyClientError
 from proxy.config import ProxyConfig
 from proxy.pipeline import BUDGET_MESSAGE
@@ -190,7 +190,7 @@ def test_policy_version_falls_back_to_the_admin_value(fake_proxy: RunningProxy, 
 
 def test_a_sync_during_a_reply_records_both_versions_and_rows_use_each(fake_proxy: RunningProxy,
                                                                         fake_engine: FakeEngine) -> None:
-    from harness_rl.rows import trace_rows
+    from harness_rl.learner.rows import trace_rows
 
     agent = Agent(fake_proxy)
     httpx.post(f"{fake_proxy.url}/admin/policy_version", json={"version": 7}, headers=agent.admin)

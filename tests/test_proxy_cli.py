@@ -24,7 +24,7 @@ def serve_proxy(upstream: str, store: Path) -> Iterator[tuple[subprocess.Popen, 
     token_file.write_text("s3cret-admin-token\n")
     process = subprocess.Popen(
         [sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", upstream, "--port", "0",
-         "--store", str(store), "--admin-token-file", str(token_file)],
+         "--store", str(store), "--admin-token-file", str(token_file), "--no-engine-check"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = process.stdout.readline()
@@ -84,3 +84,29 @@ def test_proxy_modules_and_command_never_import_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_serve_proxy_refuses_an_engine_that_cannot_capture_exactly(fake_engine_server: tuple, tmp_path: Path) -> None:
+    """The doctor's start-up check: the fake engine has no processed top logprobs, no max_model_len, and its
+    derender refuses ids it never sampled; each failure is one line, and nothing starts (exit 1)."""
+    fake_engine = fake_engine_server[1]
+    done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", fake_engine,
+                           "--port", "0", "--store", str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"the engine at {fake_engine} cannot capture exactly" in done.stderr
+    failed = [line.split()[1:3] for line in done.stderr.splitlines() if line.strip().startswith("FAIL")]
+    assert failed == [["processed", "logprobs"], ["max", "model"], ["token-in", "routes"]]
+
+
+def test_serve_proxy_waits_for_an_engine_then_names_it_when_it_never_answers(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        silent = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, never listening: connection refused
+        done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", silent,
+                               "--port", "0", "--store", str(tmp_path / "store"), "--engine-wait", "3"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "FAIL  engine answers" in done.stderr and "GET /v1/models" in done.stderr

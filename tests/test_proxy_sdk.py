@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
@@ -30,7 +30,7 @@ ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command.",
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
     config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("sdk-store")),
-                         default_max_tokens_per_turn=64)
+                         max_tokens_per_turn=64)
     with serve_proxy(config) as running:
         yield running
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness_rl.background import serve_proxy
 from harness_rl.engine import Engine
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace, Turn
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
@@ -29,7 +29,7 @@ USER = "List the files."
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
     config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("sdk-stream-store")),
-                         default_max_tokens_per_turn=96)
+                         max_tokens_per_turn=96)
     with serve_proxy(config) as running:
         yield running
 

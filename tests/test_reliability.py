@@ -33,7 +33,8 @@ from aiohttp import web
 from fake_engine import FakeEngine, run_fake_engine, start_fake_engine
 from proxy_agent import Agent
 
-from harness_rl.background import BackgroundLoop, serve_proxy
+from harness_rl.background import BackgroundLoop
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
@@ -544,7 +545,8 @@ def test_8_the_store_is_private_and_keys_are_kept_hashed(hostile_server: tuple[H
 
 
 def _serve_proxy_cli(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--port", "0", "--no-engine-check",
+                             *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, **env})
     assert proc.stdout is not None
@@ -662,7 +664,7 @@ def test_a_cap_beyond_the_engine_context_is_refused_at_creation(start: Callable[
     made = httpx.post(f"{proxy.url}/sessions", json={"max_tokens_per_turn": 4096}, headers=ADMIN)
     assert made.status_code == 400 and "4096-token context" in made.json()["error"]["message"]
     assert httpx.post(f"{proxy.url}/sessions", json={"max_tokens_per_turn": 100}, headers=ADMIN).status_code == 201
-    assert httpx.post(f"{start(default_max_tokens_per_turn=5000).url}/sessions", json={},
+    assert httpx.post(f"{start(max_tokens_per_turn=5000).url}/sessions", json={},
                       headers=ADMIN).status_code == 400
 
 

@@ -20,8 +20,7 @@ from adapters.harnesses.echo import EchoHarness
 from adapters.sandboxes import Sandbox, SandboxStartError
 from adapters.sandboxes.local import LocalSandbox, marked_processes
 from adapters.tasks import load_task
-from harness_rl.config import RolloutConfig
-from harness_rl.rollouts import RolloutConfigError, RolloutScheduler
+from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler
 from proxy.client import ProxyClient
 
 pytestmark = pytest.mark.anyio

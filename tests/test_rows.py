@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness_rl.rows import NO_VERSION, trace_rows
+from harness_rl.learner.rows import NO_VERSION, trace_rows
 from harness_rl.trace import TrainingTrace, Turn
 
 

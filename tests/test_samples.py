@@ -2,8 +2,8 @@
 
 import pytest
 
+from harness_rl.learner.samples import build_samples
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
-from harness_rl.samples import build_samples
 from harness_rl.trace import Sampling, TrainingTrace, Turn, VersionSpan
 
 

@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness_rl.cli import main
-from harness_rl.config import SftConfig
-from harness_rl.sft import SUMMARY_FILE, SftError, sft, sft_batches, trace_files
+from harness_rl.learner.config import SftConfig
+from harness_rl.learner.sft import SUMMARY_FILE, SftError, sft, sft_batches, trace_files
 from harness_rl.trace import TrainingTrace, Turn
 
 TOOLS = [{"type": "function", "function": {
@@ -147,7 +147,7 @@ def teacher_logprob(model, traces: list[TrainingTrace]) -> float:
 
 
 def test_selection_keeps_traces_at_or_above_min_reward(traces_dir: Path) -> None:
-    from harness_rl.sft import select_traces
+    from harness_rl.learner.sft import select_traces
 
     files = trace_files(str(traces_dir))
     assert [f.name for f in files] == sorted(p.name for p in traces_dir.glob("*.json"))
@@ -186,7 +186,7 @@ def test_exactly_the_masked_agent_tokens_are_trained(traces_dir: Path, token_bud
 
 
 def test_the_loss_is_the_nll_of_exactly_those_tokens(traces_dir: Path, tiny_model_dir: Path) -> None:
-    from harness_rl.sft import batch_nll
+    from harness_rl.learner.sft import batch_nll
 
     traces = passing(traces_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from adapters.tasks import load_task
 from harness_rl.cli import main
-from harness_rl.config import AGENT_HARNESS_OPTIONS
-from harness_rl.teacher import Demo, TeacherError, script_for, teacher_traces
+from harness_rl.demo.teacher import Demo, TeacherError, script_for, teacher_traces
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
 from harness_rl.trace import TrainingTrace
 
 ROOT = Path(__file__).resolve().parents[1]

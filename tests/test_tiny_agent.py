@@ -8,8 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from harness_rl.config import AGENT_HARNESS_OPTIONS, PINNED_UNAME, resolve
-from harness_rl.tiny_agent import (
+from harness_rl.demo.tiny_agent import (
     COMPLETE,
     EARLY_STOP_STEPS,
     HABIT,
@@ -19,6 +18,8 @@ from harness_rl.tiny_agent import (
     recipe,
     tasks_digest,
 )
+from harness_rl.run.config import resolve
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, PINNED_UNAME
 
 
 def test_the_task_digest_follows_every_file_of_the_tasks(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from fake_engine import IM_END, FakeEngine, Scripted
 from proxy_agent import TOOLS, Agent
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness_rl.checkpoint import checkpoint_dir
 from harness_rl.cli import main
-from harness_rl.config import load_file, resolve
+from harness_rl.learner.checkpoint import checkpoint_dir
+from harness_rl.run.config import load_file, resolve
 
 TRAIN = [sys.executable, "-m", "harness_rl.cli", "train"]
 
@@ -105,7 +105,7 @@ def alive(pid: int, started: str) -> bool:
 def _checkpoint_state(path: Path) -> dict:
     import torch
 
-    from harness_rl.checkpoint import STATE_FILE
+    from harness_rl.learner.checkpoint import STATE_FILE
 
     return torch.load(path / STATE_FILE, weights_only=False)
 
@@ -153,7 +153,7 @@ def test_config_file_sets_defaults_and_flags_override(tmp_path: Path) -> None:
 def test_the_real_preset_never_inherits_demo_settings() -> None:
     real = resolve({"engine": {"model": "Qwen/Qwen3-8B", "engine": "http://127.0.0.1:8000"}})
     assert real.preset == "real"
-    assert real.rollouts.max_tokens_per_turn is None and real.proxy.sampling.max_tokens is None
+    assert real.rollouts.max_tokens_per_turn is None
     assert real.learner.learning_rate == 1e-6 and real.learner.loss.decoupled is True
     assert real.rollouts.tasks == "" and real.rollouts.harness == "opencode"
     demo = resolve({})
@@ -287,7 +287,7 @@ def test_train_with_the_responses_and_gemini_clis_runs_to_the_end(tmp_path: Path
 def test_the_proxy_of_a_run_knows_the_models_vocabulary(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    from harness_rl.models import vocab_size
+    from harness_rl.run.models import vocab_size
 
     assert vocab_size(tiny_model_dir) == AutoConfig.from_pretrained(tiny_model_dir).vocab_size > 0
     (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 151936}}')  # a multimodal model's layout

@@ -15,7 +15,7 @@ import pytest
 from viewer_fixture import FixtureRun, make_run
 
 from harness_rl.cli import main
-from harness_rl.rows import completion_mask
+from harness_rl.learner.rows import completion_mask
 from harness_rl.trace import PrefixBreak, TrainingTrace
 from harness_rl.viewer.load import Texts, turn_views
 from harness_rl.viewer.tokens import find_tokenizer, open_tokenizer

@@ -14,7 +14,7 @@ import pytest
 from viewer_fixture import FixtureRun, make_run
 
 from harness_rl.cli import main
-from harness_rl.rows import completion_mask
+from harness_rl.learner.rows import completion_mask
 
 pytestmark = pytest.mark.slow
 TOKEN_CAP = int(re.search(r"const TOKEN_CAP = (\d+);", (

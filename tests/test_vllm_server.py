@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness_rl.cli import main
-from harness_rl.vllm_server import (
+from harness_rl.tools.vllm_server import (
     VllmLaunch,
     VllmProcess,
     VllmSetupError,
@@ -160,7 +160,7 @@ def fake_launch(code: str, port: int) -> VllmLaunch:
 
 
 def test_a_child_that_dies_at_start_is_reported_with_its_log(tmp_path: Path) -> None:
-    from harness_rl.weight_sync import free_port
+    from harness_rl.learner.weight_sync import free_port
 
     code = "import sys; print('ValueError: no model here', flush=True); sys.exit(3)"
     with pytest.raises(VllmSetupError, match=r"(?s)exited with code 3 before it was ready.*ValueError: no model"):
@@ -168,7 +168,7 @@ def test_a_child_that_dies_at_start_is_reported_with_its_log(tmp_path: Path) -> 
 
 
 def test_a_child_that_never_gets_ready_is_stopped_with_its_whole_group(tmp_path: Path) -> None:
-    from harness_rl.weight_sync import free_port
+    from harness_rl.learner.weight_sync import free_port
 
     # the "server" forks a worker (as vLLM does) and never answers /health
     code = ("import os, subprocess, sys, time; print('loading', flush=True); "

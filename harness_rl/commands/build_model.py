@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness_rl.config import BUILT_MODELS
+from harness_rl.run.presets import BUILT_MODELS
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -26,9 +26,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from harness_rl.models import model_dir
-    from harness_rl.teacher import TeacherError
-    from harness_rl.tiny_agent import TinyAgentError
+    from harness_rl.demo.models import model_dir
+    from harness_rl.demo.teacher import TeacherError
+    from harness_rl.demo.tiny_agent import TinyAgentError
 
     try:
         print(model_dir(args.name, seed=args.seed))

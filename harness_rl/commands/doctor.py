@@ -39,7 +39,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from harness_rl.doctor import diagnose, measure_mismatch
+    from harness_rl.tools.doctor import diagnose, measure_mismatch
 
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
     served = args.served_model_name or (None if model_dir is not None else args.model)

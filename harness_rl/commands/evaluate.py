@@ -1,6 +1,6 @@
 """`harness-rl eval`: sample an agent on task splits and report success, reward, turns and chaining.
 
-Flags are generated from `harness_rl.config.EvalConfig` (the engine, proxy and rollouts settings of
+Flags are generated from `harness_rl.run.config.EvalConfig` (the engine, proxy and rollouts settings of
 `train`, plus `--tasks` repeated per split and `--num-samples`).
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harness_rl.config import EVAL_EXCLUDED, PRESETS, EvalConfig
 from harness_rl.flags import add_flags, flags_of
+from harness_rl.run.config import EVAL_EXCLUDED, EvalConfig
+from harness_rl.run.presets import PRESETS
 
 FLAGS = flags_of(EvalConfig, exclude=EVAL_EXCLUDED)
 
@@ -38,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from harness_rl import config as cfg
+    from harness_rl.demo import models
     from harness_rl.flags import collect
+    from harness_rl.run import config as cfg
+    from harness_rl.run import preflight
+    from harness_rl.settings import ConfigError
 
     try:
         layers = [cfg.load_file(args.config)] if args.config else []
@@ -47,29 +51,33 @@ def run(args: argparse.Namespace) -> int:
         if args.preset:
             flags["preset"] = args.preset
         config = cfg.resolve_eval(*layers, flags)
-        cfg.check_eval(config)
-    except cfg.ConfigError as exc:
+        preflight.check_eval(config)
+        models.check(config.engine.model, config.rollouts.harness)
+    except ConfigError as exc:
         print(f"harness-rl eval: {exc}", file=sys.stderr)
         return 2
 
-    from harness_rl.evaluate import evaluate, table
-    from harness_rl.train import RunStopped
+    from harness_rl.demo.teacher import TeacherError
+    from harness_rl.demo.tiny_agent import TinyAgentError
+    from harness_rl.run.evaluate import evaluate, table
+    from harness_rl.run.train import RunStopped
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        report = evaluate(config)
+        model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
+        report = evaluate(config, model_dir)
     except KeyboardInterrupt:
         print("harness-rl eval: interrupted; rollouts and sessions closed", file=sys.stderr)
         return 130
-    except RunStopped as exc:
+    except (RunStopped, TinyAgentError, TeacherError) as exc:
         print(f"harness-rl eval: stopped: {exc}", file=sys.stderr)
         return 1
     print(table(report))
     if config.baseline is not None:
         import msgspec
 
-        from harness_rl.config import baseline_file
-        from harness_rl.evaluate import EvalReport, comparison
+        from harness_rl.run.evaluate import EvalReport, comparison
+        from harness_rl.run.preflight import baseline_file
 
         before = msgspec.json.decode(baseline_file(config.baseline).read_bytes(), type=EvalReport)
         print(f"\nbefore: {before.model} ({before.output_dir}); after: {report.model}")

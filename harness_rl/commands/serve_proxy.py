@@ -24,21 +24,26 @@ FLAGS = [dataclasses.replace(f, name=_NAMES.get(f.name, f.name)) for f in flags_
 
 
 def _default_text(flag: Flag) -> str:
-    from harness_rl.flags import show
-
-    return str(DEFAULT_PORT) if flag.name == "--port" else show(flag.default)
+    return str(DEFAULT_PORT) if flag.name == "--port" else flag.default_text
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "proxy", help="run the intercept proxy that records agents' model calls as training traces",
-        description="Record every model call agents make (OpenAI Chat / Anthropic Messages) with the engine's exact "
-                    "token ids, behaviour logprobs and loss masks. Prints its URL on start; the admin token comes "
-                    f"from --admin-token-file or ${ADMIN_TOKEN_ENV} (else a fresh one is written to the store).")
+        description="Record every model call agents make (OpenAI Chat and Responses, Anthropic Messages, Google "
+                    "Gemini) with the engine's exact token ids, behaviour logprobs and loss masks. At start it "
+                    "checks that the engine can capture exactly (as `harness-rl doctor` does) and refuses one "
+                    "that cannot, naming each fix. Prints its URL on start; the admin token comes from "
+                    f"--admin-token-file or ${ADMIN_TOKEN_ENV} (else a fresh one is written to the store).")
     add_flags(parser, FLAGS, _default_text)
     parser.add_argument("--admin-token-file", metavar="FILE",
                         help=f"file holding the control-API token (default: ${ADMIN_TOKEN_ENV}, else a fresh token "
                              "written to STORE/admin-token, mode 0600)")
+    parser.add_argument("--engine-check", action=argparse.BooleanOptionalAction, default=True,
+                        help="check at start that the engine can capture exactly (token ids, processed logprobs, "
+                             "tool parser, context, token-in routes), and refuse it otherwise (default: on)")
+    parser.add_argument("--engine-wait", type=float, default=300.0, metavar="SECONDS",
+                        help="how long to wait for an engine that does not answer yet (default: 300)")
     parser.set_defaults(run=run)
 
 
@@ -89,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from harness_rl.config import ConfigError
     from harness_rl.flags import collect, flag_for_path
+    from harness_rl.settings import ConfigError
+    from harness_rl.tools.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
     from proxy.server import start_proxy
 
     settings = {"port": DEFAULT_PORT, **collect(args, FLAGS)}
@@ -107,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl serve proxy: {exc}", file=sys.stderr)
         return 2
     config = msgspec.structs.replace(config, admin_token=token)
+    if args.engine_check:
+        try:
+            require_exact_capture(config.upstream, model=config.upstream_model, min_context=MIN_RUN_CONTEXT,
+                                  weight_sync="none", wait_s=args.engine_wait)
+        except EngineNotExact as exc:
+            print(f"harness-rl serve proxy: {exc}", file=sys.stderr)
+            return 1
     _raise_open_file_limit()
 
     async def serve() -> None:

@@ -26,7 +26,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness_rl.vllm_server import (
+    from harness_rl.tools.vllm_server import (
         MIN_AGENT_CONTEXT,
         VllmSetupError,
         find_vllm_python,

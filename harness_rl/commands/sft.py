@@ -1,6 +1,6 @@
 """`harness-rl sft`: rejection-sampling fine-tuning (behaviour cloning) from captured traces.
 
-Flags are generated from `harness_rl.config.SftConfig`.
+Flags are generated from `harness_rl.learner.config.SftConfig`.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness_rl.config import SftConfig
 from harness_rl.flags import add_flags, flags_of
+from harness_rl.learner.config import SftConfig
 
 EXIT_BAD_INPUT = 2
 FLAGS = flags_of(SftConfig)
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from harness_rl.flags import collect, flag_for_path
-    from harness_rl.sft import SftError, sft
+    from harness_rl.learner.sft import SftError, sft
 
     try:
         config = msgspec.convert(collect(args, FLAGS), SftConfig)
@@ -42,9 +42,13 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"harness-rl sft: {', '.join(missing)}: required", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from harness_rl.demo.models import model_dir
+    from harness_rl.demo.teacher import TeacherError
+    from harness_rl.demo.tiny_agent import TinyAgentError
+
     try:
-        summary = sft(config)
-    except SftError as error:
+        summary = sft(msgspec.structs.replace(config, model=str(model_dir(config.model, seed=config.seed))))
+    except (SftError, TinyAgentError, TeacherError) as error:
         print(f"harness-rl sft: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     chosen = summary.selection

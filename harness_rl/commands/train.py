@@ -1,6 +1,6 @@
 """`harness-rl train`: GRPO on real agent rollouts. With no flags, the embedded CPU demo.
 
-Every flag is generated from a field of `harness_rl.config.RunConfig` (help and default included);
+Every flag is generated from a field of `harness_rl.run.config.RunConfig` (help and default included);
 `--config FILE` sets the same fields from TOML or JSON, and flags override it.
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harness_rl.config import PRESETS, RunConfig
 from harness_rl.flags import Flag, add_flags, flags_of, show
+from harness_rl.run.config import RunConfig
+from harness_rl.run.presets import PRESETS
 
 FLAGS = flags_of(RunConfig)
 
@@ -21,9 +22,9 @@ def _default_text(flag: Flag) -> str:
     for key in flag.path:
         demo = demo.get(key, {}) if isinstance(demo, dict) else {}
     if isinstance(demo, dict):
-        return show(flag.default)
+        return flag.default_text
     shown = demo if flag.name != "--tasks" else "the digits demo task"
-    return f"{show(flag.default)}; demo preset: {show(shown)}"
+    return f"{flag.default_text}; demo preset: {show(shown)}"
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -52,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from harness_rl import config as cfg
+    from harness_rl.demo import models
     from harness_rl.flags import collect
+    from harness_rl.run import config as cfg
+    from harness_rl.run import preflight
+    from harness_rl.settings import ConfigError
 
     try:
         layers = [cfg.load_file(args.config)] if args.config else []
@@ -64,19 +68,23 @@ def run(args: argparse.Namespace) -> int:
         if args.print_config:
             print(cfg.to_toml(config), end="")
             return 0
-        cfg.check(config)
-    except cfg.ConfigError as exc:
+        preflight.check(config)
+        models.check(config.engine.model, config.rollouts.harness)
+    except ConfigError as exc:
         print(f"harness-rl train: {exc}", file=sys.stderr)
         return 2
 
-    from harness_rl.train import RunStopped, train
+    from harness_rl.demo.teacher import TeacherError
+    from harness_rl.demo.tiny_agent import TinyAgentError
+    from harness_rl.run.train import RunStopped, train
 
     signal.signal(signal.SIGTERM, _interrupt)  # a job scheduler's stop is handled like Ctrl-C
     try:
-        train(config)
+        model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
+        train(config, model_dir)
     except KeyboardInterrupt:
         return 130
-    except RunStopped as exc:
+    except (RunStopped, TinyAgentError, TeacherError) as exc:
         print(f"harness-rl train: stopped: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.rows import completion_mask
+from harness_rl.learner.rows import completion_mask
 from harness_rl.trace import Request, TraceFormatError, TrainingTrace, Turn
 from harness_rl.viewer.model import (
     Chart,

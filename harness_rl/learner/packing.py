@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from harness_rl.samples import Sample
+from harness_rl.learner.samples import Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -2,7 +2,7 @@
 
 A random model never emits a valid tool call, so RL from `tiny` has nothing to reinforce. The recipe:
 1. the offline `tiny` model (random 0.8M-parameter Qwen2 and its BPE tokenizer, `engine.tiny_model`);
-2. teacher traces (`harness_rl.teacher`): mini-swe-agent driven through the proxy with forced replies
+2. teacher traces (`harness_rl.demo.teacher`): mini-swe-agent driven through the proxy with forced replies
    on every task of `examples/agent-tasks/train` (never the held-out tasks), twice per task: once
    replaying the whole reference solution (the verifier scores 1), once submitting right after its
    first command (scored 0: an imperfect teacher's habit of stopping early);
@@ -41,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.config import AGENT_HARNESS_OPTIONS, AGENT_TASKS, SftConfig
+from harness_rl.learner.config import SftConfig
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_TASKS
 
 RECIPE_VERSION = "2"
 HARNESSES = ("mini-swe-agent",)
@@ -123,11 +124,11 @@ def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: 
     `sft.json` (the last SFT phase: what it kept and the loss per epoch).
     """
     from adapters.tasks import load_tasks
+    from harness_rl.demo.teacher import Demo, teacher_traces
     from harness_rl.engine import build_tiny_model
     from harness_rl.engine import default_cache_dir as tiny_cache_dir
     from harness_rl.engine.tiny_model import is_cached, publish
-    from harness_rl.sft import sft
-    from harness_rl.teacher import Demo, teacher_traces
+    from harness_rl.learner.sft import sft
 
     built = recipe(seed, harness)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(built)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -297,16 +298,28 @@ async def diagnose(
         checks = [*await probe.ids_and_strings(), await probe.processed_logprobs()]
         token_in = await probe.token_in()
         checks += [await probe.tool_parser(token_in.status == "pass"), length]
-        checks += [await probe.weight_sync(weight_sync), await probe.policy_version(), token_in]
+        if weight_sync == "none":  # nothing will update this engine: its sync routes and version do not matter
+            checks += [Check("weight sync routes", "skip", "no weight sync"), Check("policy version", "skip",
+                                                                                   "no weight sync")]
+        else:
+            checks += [await probe.weight_sync(weight_sync), await probe.policy_version()]
+        checks.append(token_in)
         return Report(url, checks)
 
 
 def require_exact_capture(
-    url: str, *, model: str | None = None, min_context: int = MIN_AGENT_CONTEXT, weight_sync: str = "auto"
+    url: str, *, model: str | None = None, min_context: int = MIN_AGENT_CONTEXT, weight_sync: str = "auto",
+    wait_s: float = 0.0,
 ) -> Report:
-    """The start-up check of `harness-rl train --engine URL`: raises `EngineNotExact` naming each
-    failing requirement and its fix; returns the report when the engine can capture exactly."""
-    report = asyncio.run(diagnose(url, model=model, min_context=min_context, weight_sync=weight_sync))
+    """The start-up check of `harness-rl train --engine URL` and `harness-rl serve proxy`: raises
+    `EngineNotExact` naming each failing requirement and its fix; returns the report when the engine can
+    capture exactly. An engine that does not answer yet is asked again every 2 s for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        report = asyncio.run(diagnose(url, model=model, min_context=min_context, weight_sync=weight_sync))
+        if report.checks[0].name != "engine answers" or time.monotonic() >= deadline:
+            break
+        time.sleep(2.0)
     if not report.ok:
         lines = "\n".join(f"  {check.line()}" for check in report.failures())
         raise EngineNotExact(f"the engine at {url} cannot capture exactly:\n{lines}")
@@ -328,7 +341,7 @@ def measure_mismatch(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness_rl.sync_check import score
+    from harness_rl.learner.sync_check import score
 
     samples = asyncio.run(_sample_turns(url, model, temperature, turns, tokens))
     if isinstance(samples, Check):

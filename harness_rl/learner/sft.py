@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from harness_rl.config import SftConfig
 from harness_rl.engine.engine import set_threads
-from harness_rl.learner import attention_kernel, torch_device
-from harness_rl.packing import MicroBatch, pack, packed_logprobs
-from harness_rl.rows import trace_rows
-from harness_rl.samples import Sample
+from harness_rl.learner.config import SftConfig
+from harness_rl.learner.learner import attention_kernel, torch_device
+from harness_rl.learner.packing import MicroBatch, pack, packed_logprobs
+from harness_rl.learner.rows import trace_rows
+from harness_rl.learner.samples import Sample
 from harness_rl.trace import TraceFormatError, TraceValidationError, TrainingTrace
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def sft(config: SftConfig, progress: bool = True) -> SftSummary:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    model_dir = resolve_model(config.model, config.seed)
+    model_dir = model_path(config.model)
     output_dir = Path(config.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         raise SftError(f"{output_dir} already exists and is not empty: choose another --output-dir")
@@ -211,11 +211,9 @@ def sft(config: SftConfig, progress: bool = True) -> SftSummary:
     return summary
 
 
-def resolve_model(model: str, seed: int) -> Path:
-    """The model directory: `tiny` and `tiny-agent` are built offline (cached); anything else must be a model dir."""
-    from harness_rl.models import model_dir
-
-    path = model_dir(model, seed=seed)
+def model_path(model: str) -> Path:
+    """The model directory to start from (`tiny` and `tiny-agent` are resolved to theirs by the command)."""
+    path = Path(model)
     if not (path / "config.json").is_file():
         raise SftError(f"--model {model}: not a model directory (no config.json); give a local model dir, tiny "
                        "or tiny-agent")

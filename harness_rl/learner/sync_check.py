@@ -11,47 +11,29 @@ rarely has.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from harness_rl.grpo import Mismatch
-from proxy.engine_wire import SamplingParams
-from proxy.upstream import EngineClient, Rendered
-
-if TYPE_CHECKING:
-    from harness_rl.background import BackgroundLoop
+from harness_rl.learner.grpo import Mismatch
 
 PROMPT_TOKENS = 256  # the prompt's tail: enough context to be a real prefix, cheap to forward every step
 
 
-class SyncCheck:
-    """Samples `tokens` tokens at the run's temperature from the engine at `url`, on the rollout loop."""
+class EngineSampler(Protocol):
+    """Samples a few tokens from the engine after a prompt, at the run's temperature (the run level's
+    `EngineSampler` does it through the engine's token-in route)."""
 
-    def __init__(self, url: str, loop: BackgroundLoop, temperature: float, *, tokens: int = 16,
-                 timeout_s: float = 120.0) -> None:
-        self.loop = loop
-        self.temperature = temperature
-        self.tokens = tokens
-        self.client = EngineClient(url, timeout_s=timeout_s, retries=2)
-        self.loop.run(self.client.start())
+    def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]: ...
 
-    def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]:
-        """Ids the engine samples after `prompt`, and their logprobs."""
-        rendered = Rendered(text=b"".join(b"%d," % i for i in prompt), count=len(prompt))
-        sampled = self.loop.run(self.client.generate(rendered, SamplingParams.capturing(
-            temperature=self.temperature, max_tokens=self.tokens, seed=len(prompt))))
-        return sampled.ids, sampled.logps
-
-    def close(self) -> None:
-        self.loop.run(self.client.close())
+    def close(self) -> None: ...
 
 
 def score(model: Any, turns: list[tuple[list[int], list[int], list[float]]], temperature: float) -> Mismatch:
     """The learner's logprobs of each turn's sampled ids (after its prompt) against the engine's."""
     import torch
 
-    from harness_rl.packing import pack, packed_logprobs
-    from harness_rl.rows import NO_VERSION, Row
-    from harness_rl.samples import Sample
+    from harness_rl.learner.packing import pack, packed_logprobs
+    from harness_rl.learner.rows import NO_VERSION, Row
+    from harness_rl.learner.samples import Sample
 
     rows = [Row(f"turn-{i}", prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + logps,
                 [NO_VERSION] * (len(prompt) + len(ids))) for i, (prompt, ids, logps) in enumerate(turns)]

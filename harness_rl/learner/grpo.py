@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from harness_rl.config import LossConfig
+from harness_rl.learner.config import LossConfig
 
 Normalization = Literal["token", "rollout"]
 

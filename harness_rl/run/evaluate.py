@@ -15,7 +15,6 @@ harness can send one, so the same command samples the same rollouts again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -25,15 +24,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from harness_rl.config import EvalConfig
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
-from harness_rl.rollout_stats import trace_stats
+from harness_rl.run.config import EvalConfig
+from harness_rl.run.run_files import RunFiles
+from harness_rl.trace.stats import trace_stats
 
 if TYPE_CHECKING:
     from adapters.harnesses import Harness
     from adapters.sandboxes import Sandbox
     from adapters.tasks import Task
-    from harness_rl.rollouts import RolloutScheduler
+    from harness_rl.run.rollouts import RolloutScheduler
 
 EVAL_FILE = "eval.json"
 T = TypeVar("T")
@@ -128,20 +128,14 @@ def _mean(values: Sequence[float], samples: int) -> float:
     return sum(values) / samples if samples else 0.0
 
 
-def evaluate(config: EvalConfig, *, harness: Harness | None = None,
+def evaluate(config: EvalConfig, model_dir: Path, *, harness: Harness | None = None,
              sandbox_factory: Callable[[], Sandbox] | None = None, progress: bool = True) -> EvalReport:
-    """Run the evaluation a checked configuration describes; write and return its report."""
+    """Run the evaluation a checked configuration describes on `model_dir`; write and return its report."""
     from tqdm import tqdm
     from transformers.utils import logging as transformers_logging
 
     from adapters.tasks import load_tasks
-    from harness_rl.background import BackgroundLoop
-    from harness_rl.models import vocab_size
-    from harness_rl.rollouts import RolloutScheduler
-    from harness_rl.run_files import RunFiles
-    from harness_rl.train import start_engine
-    from proxy.client import ProxyClient
-    from proxy.server import start_proxy
+    from harness_rl.run.stack import Stack
 
     transformers_logging.disable_progress_bar()
     started = time.time()
@@ -151,21 +145,11 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
     groups_of = [(label, task) for label, _, tasks in splits for task in tasks]
     jobs = [Job(label, group_id, task, index) for group_id, (label, task) in enumerate(groups_of)
             for index in range(config.num_samples)]
-    loop = BackgroundLoop("harness-rl-eval")
-    closers: list[Callable[[], None]] = []
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        engine = start_engine(config.run_config(), loop, output_dir)
-        closers.append(engine.close)
-        proxy = loop.run(start_proxy(msgspec.structs.replace(
-            config.proxy, upstream=engine.url, store_dir=str(output_dir / "proxy"),
-            vocab_size=config.proxy.vocab_size or vocab_size(engine.model_dir))), timeout=120)
-        closers.append(lambda: loop.run(proxy.stop(), timeout=60))
-        client = ProxyClient(proxy.url, proxy.admin_token)
-        closers.append(lambda: loop.run(client.close(), timeout=30))
-        all_tasks = [task for _, _, tasks in splits for task in tasks]
-        scheduler = RolloutScheduler(all_tasks, client, config.rollouts, harness=harness,
-                                     sandbox_factory=sandbox_factory, seed=config.seed)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    all_tasks = [task for _, _, tasks in splits for task in tasks]
+    with Stack.start(config.run_config(), model_dir, output_dir, all_tasks, harness=harness,
+                     sandbox_factory=sandbox_factory, rollout_seed=config.seed, name="harness-rl-eval") as stack:
+        loop, scheduler = stack.loop, stack.scheduler
         bar = tqdm(total=len(jobs), desc="eval", unit="rollout", dynamic_ncols=True, disable=not progress)
         running = loop.run(_start(_run_all(scheduler, jobs, bar.update)))
         try:
@@ -175,11 +159,6 @@ def evaluate(config: EvalConfig, *, harness: Harness | None = None,
             raise
         finally:
             bar.close()
-    finally:
-        for close in reversed(closers):
-            with contextlib.suppress(Exception):
-                close()
-        loop.close()
 
     groups = [RolloutGroup(group_id=group_id, task=task.name,
                            outcomes=[o for job, o in zip(jobs, outcomes, strict=True) if job.group_id == group_id])

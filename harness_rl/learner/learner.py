@@ -1,9 +1,10 @@
 """The learner: a plain synchronous torch loop that turns finished rollout groups into gradient steps.
 
-Rollouts keep running elsewhere (asyncio); the run loop (`harness_rl.train`) hands the learner finished
-`RolloutGroup`s, one step at a time. Each step: samples (rows, advantages, staleness, token weights) →
-padding-free micro-batches → logprobs → loss → backward, accumulated over every micro-batch of the step →
-grad-norm clip → AdamW → LR schedule → policy version + 1 → weight sync (every `sync_every` steps).
+Rollouts keep running elsewhere (asyncio); the run loop (`harness_rl.run.train`) hands the learner finished
+`RolloutGroup`s, one step at a time, and logs the metrics each step returns. Each step: samples (rows,
+advantages, staleness, token weights) → padding-free micro-batches → logprobs → loss → backward,
+accumulated over every micro-batch of the step → grad-norm clip → AdamW → LR schedule → policy
+version + 1 → weight sync (every `sync_every` steps).
 
 Weights are float32 on every device; on a GPU the forward runs under bf16 autocast (the engine's
 usual dtype), with the LM head and the loss in float32.
@@ -21,22 +22,21 @@ from typing import Any, cast
 
 import torch
 
-from harness_rl.checkpoint import (
+from harness_rl.learner.checkpoint import (
     TrainerState,
     checkpoint_dir,
     load_checkpoint,
     prune_checkpoints,
     save_checkpoint,
 )
-from harness_rl.config import LearnerConfig
-from harness_rl.grpo import Mismatch, grpo_loss
-from harness_rl.metrics import MetricsLogger
+from harness_rl.learner.config import LearnerConfig
+from harness_rl.learner.grpo import Mismatch, grpo_loss
+from harness_rl.learner.packing import fill_fraction, pack, packed_logprobs
+from harness_rl.learner.rows import Row
+from harness_rl.learner.samples import build_samples
+from harness_rl.learner.sync_check import PROMPT_TOKENS, EngineSampler, score
+from harness_rl.learner.weight_sync import NoSync, WeightSync, WeightSyncError
 from harness_rl.outcome import RolloutGroup
-from harness_rl.packing import fill_fraction, pack, packed_logprobs
-from harness_rl.rows import Row
-from harness_rl.samples import build_samples
-from harness_rl.sync_check import PROMPT_TOKENS, SyncCheck, score
-from harness_rl.weight_sync import NoSync, WeightSync, WeightSyncError
 
 
 class Learner:
@@ -44,10 +44,10 @@ class Learner:
 
     def __init__(self, model_dir: str | Path, config: LearnerConfig | None = None, *, temperature: float = 1.0,
                  seed: int = 0, weight_sync: WeightSync | None = None, output_dir: str | Path | None = None,
-                 metrics: MetricsLogger | None = None, save_total_limit: int | None = None,
-                 sync_check: SyncCheck | None = None) -> None:
+                 save_total_limit: int | None = None, sync_check: EngineSampler | None = None) -> None:
         """`temperature` is the one the proxy pins for sampling: logprobs are compared at it; checkpoints go to
-        `output_dir/checkpoints`, the newest `save_total_limit` kept; `sync_check` verifies every sync."""
+        `output_dir/checkpoints`, the newest `save_total_limit` kept; `sync_check` samples the engine after
+        every sync, to check it serves the learner's weights."""
         from transformers import AutoModelForCausalLM
 
         self.config = config = config or LearnerConfig()
@@ -76,7 +76,6 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
         self.weight_sync = weight_sync or NoSync()
         self.sync_check = sync_check
-        self.metrics = metrics or MetricsLogger(self.output_dir)
         self.step_count = 0
         self.policy_version = 0
         self.extra_state: dict[str, Any] = {}
@@ -100,7 +99,6 @@ class Learner:
             self.step_count += 1
             metrics.update({"step": float(self.step_count), "policy_version": float(self.policy_version),
                             "batch/trained_tokens_per_step": 0.0})
-            self.metrics.log(self.step_count, metrics)
             return metrics
         batches = pack(samples, config.token_budget)
         sums: dict[str, float] = {}
@@ -164,7 +162,6 @@ class Learner:
             "perf/forwarded_tok_s_wall_clock": forwarded / step_s,
             "perf/trained_tok_s_wall_clock": trained / step_s,
         })
-        self.metrics.log(self.step_count, metrics)
         return metrics
 
     def _check_sync(self, row: Row) -> dict[str, float]:
@@ -216,7 +213,6 @@ class Learner:
         return self.extra_state
 
     def close(self) -> None:
-        self.metrics.close()
         self.weight_sync.close()
         if self.sync_check is not None:
             self.sync_check.close()

@@ -1,4 +1,4 @@
-"""What a run leaves on disk besides metrics and checkpoints: every finished rollout, and its trace.
+"""The run directory: its settings (`OutputConfig`), and every finished rollout with its trace.
 
 `<run>/rollouts.jsonl` gets one `RolloutRecord` per rollout the learner consumed (its step, group,
 reward, advantage and how the agent ended); `<run>/traces/<rollout_id>.json` holds its trace (the
@@ -10,13 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
+from harness_rl.settings import AtLeastOne, AtLeastZero, setting
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 TRACES_DIR = "traces"
+
+
+class OutputConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    output_dir: Annotated[str | None, setting("the run directory (metrics, traces, checkpoints, plot, summary); "
+                                              "none: runs/<harness>-<UTC time>")] = None
+    resume: Annotated[bool, setting("continue the run in --output-dir from its latest checkpoint")] = False
+    save_every: Annotated[AtLeastZero, setting("checkpoint every N steps; 0: only at the end")] = 10
+    save_total_limit: Annotated[AtLeastOne | None, setting("keep the newest N checkpoints; none: all")] = 3
+    report_to: Annotated[str, setting("where step metrics go besides metrics.jsonl: tensorboard, trackio "
+                                      "(comma-separated) or none")] = "tensorboard"
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True):
@@ -47,7 +59,7 @@ class RunFiles:
         self._records = (run_dir / ROLLOUTS_FILE).open("ab")
 
     def write(self, step: int, groups: Sequence[RolloutGroup]) -> None:
-        from harness_rl.grpo import group_advantages
+        from harness_rl.learner.grpo import group_advantages
 
         for group in groups:
             advantages = group_advantages([o.reward for o in group.outcomes]) or [None] * len(group.outcomes)

@@ -19,7 +19,6 @@ tasks give the same files in the same order (the `tiny-agent` build depends on i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
@@ -34,7 +33,9 @@ import msgspec
 from adapters.harnesses import create_harness
 from adapters.harnesses.mini_swe_agent import SUBMIT_COMMAND
 from adapters.tasks import Task
-from harness_rl.config import RolloutConfig
+from harness_rl.run.config import RunConfig
+from harness_rl.run.engines import EngineConfig
+from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
 
 HARNESSES = ("mini-swe-agent",)  # the CLIs a teacher script is written for
 MAX_TOKENS_PER_TURN = 256  # a forced reply is never cut: the longest is 44 tokens of the tiny tokenizer
@@ -97,36 +98,25 @@ def teacher_traces(demos: Sequence[Demo], model_dir: Path, output_dir: Path, *, 
                    on_rollout: Callable[[TeacherRollout], None] | None = None) -> list[TeacherRollout]:
     """Replay every demonstration with `harness` against `model_dir`'s tokenizer and weights; write the
     traces and `rollouts.jsonl` under `output_dir`; return one record per demonstration."""
-    from harness_rl.background import serve_proxy
-    from harness_rl.engine import Engine, serve_in_thread
-    from proxy.config import ProxyConfig
+    from harness_rl.run.stack import Stack
 
     scripts = [script_for(demo, harness) for demo in demos]
-    engine = Engine.from_pretrained(model_dir, served_model_name="policy")
-    try:
-        with serve_in_thread(engine, forced_completions=True) as server, serve_proxy(
-                ProxyConfig(upstream=server.url, store_dir=str(output_dir / "proxy"))) as proxy:
-            return asyncio.run(_replay(demos, scripts, proxy.url, proxy.admin_token, server.url, output_dir,
-                                       harness, harness_options or {}, on_rollout))
-    finally:
-        engine.close()
-
-
-async def _replay(demos: Sequence[Demo], scripts: list[list[str]], proxy_url: str, admin_token: str,
-                  engine_url: str, out: Path, harness: str, harness_options: dict[str, Any],
-                  on_rollout: Callable[[TeacherRollout], None] | None) -> list[TeacherRollout]:
-    from harness_rl.rollouts import RolloutScheduler
-    from proxy.client import ProxyClient
-
-    (out / "traces").mkdir(parents=True, exist_ok=True)
+    options = harness_options or {}
     sandbox_options = {"network": "proxy-only"} if shutil.which("bwrap") else {}
-    config = RolloutConfig(harness=harness, num_generations=2, max_concurrent_rollouts=1,
-                           agent_timeout_s=AGENT_TIMEOUT_S, sandbox_options=sandbox_options,
-                           max_tokens_per_turn=MAX_TOKENS_PER_TURN, harness_options=harness_options)
+    config = RunConfig(engine=EngineConfig(engine="embedded", weight_sync="none"), rollouts=RolloutConfig(
+        harness=harness, num_generations=2, max_concurrent_rollouts=1, agent_timeout_s=AGENT_TIMEOUT_S,
+        sandbox_options=sandbox_options, max_tokens_per_turn=MAX_TOKENS_PER_TURN, harness_options=options))
+    with Stack.start(config, model_dir, output_dir, [d.task for d in demos], harness=create_harness(harness, **options),
+                     served_model_name="policy", forced_completions=True, name="harness-rl-teacher") as stack:
+        return stack.loop.run(_replay(demos, scripts, stack.scheduler, stack.engine.url, output_dir, harness,
+                                      on_rollout))
+
+
+async def _replay(demos: Sequence[Demo], scripts: list[list[str]], scheduler: RolloutScheduler, engine_url: str,
+                  out: Path, harness: str, on_rollout: Callable[[TeacherRollout], None] | None) -> list[TeacherRollout]:
+    (out / "traces").mkdir(parents=True, exist_ok=True)
     records: list[TeacherRollout] = []
-    async with ProxyClient(proxy_url, admin_token) as proxy, aiohttp.ClientSession() as http:
-        scheduler = RolloutScheduler([d.task for d in demos], proxy, config,
-                                     harness=create_harness(harness, **harness_options))
+    async with aiohttp.ClientSession() as http:
         for group_id, (demo, replies) in enumerate(zip(demos, scripts, strict=True)):
             await _force(http, engine_url, replies)
             started = time.monotonic()

@@ -31,7 +31,7 @@ def summarize(rows: list[dict[str, float]], *, duration_s: float) -> dict[str, A
         "reward_last_steps": _mean(rewards[-WINDOW:]),
         "reward_window_steps": WINDOW,
         "loss_last": rows[-1].get("loss") if rows else None,
-        # agent turns after each rollout's first that chained onto the one before (harness_rl.rollout_stats)
+        # agent turns after each rollout's first that chained onto the one before (harness_rl.trace.stats)
         "chained_turns_share": sum(row.get("rollout/chained_turns", 0.0) for row in rows) / later if later else None,
         "policy_version": int(rows[-1]["policy_version"]) if rows and "policy_version" in rows[-1] else 0,
     }

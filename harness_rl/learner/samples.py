@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from harness_rl.grpo import Normalization, group_advantages, token_weights
+from harness_rl.learner.grpo import Normalization, group_advantages, token_weights
+from harness_rl.learner.rows import NO_VERSION, Row, trace_rows
 from harness_rl.outcome import RolloutGroup
-from harness_rl.rollout_stats import trace_stats
-from harness_rl.rows import NO_VERSION, Row, trace_rows
 from harness_rl.trace import TraceValidationError, TrainingTrace
+from harness_rl.trace.stats import trace_stats
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.trace.training_trace import TrainingTrace
+from harness_rl.trace.turn import Turn
 
 
 class TraceStats(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,0 +1,47 @@
+"""The three presets a run's configuration starts from: `real` (the field defaults), `demo` and `agent`.
+
+A preset is a partial configuration laid over the field defaults, which are those of a real run (a
+real model on a real engine). `demo` is the embedded CPU demo (tiny model, `echo` harness, the
+`digits` task, short replies, a large learning rate); `agent` is the CPU agent demo (`tiny-agent`,
+mini-swe-agent on the shipped agent tasks). A demo preset applies only when asked for with
+`--preset`, or when no preset is named and the model is one harness-rl builds, so a demo value never
+reaches a real run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DEMO_TASK = EXAMPLES / "tasks" / "digits"
+AGENT_TASKS = EXAMPLES / "agent-tasks"
+Preset = Literal["demo", "agent", "real"]
+
+# mini-swe-agent puts the machine's uname in its prompt; the agent demo pins it, so the prompts tiny-agent
+# learned from are the same on every machine (its cache is portable).
+PINNED_UNAME = {"system": "Linux", "release": "6.1.0", "version": "#1 SMP", "machine": "x86_64"}
+# A reply without a tool call ends the agent demo's rollout: mini-swe-agent drops such a reply from its history,
+# so the turn after it could not continue its tokens (README, "The agent demo").
+AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "real": {},
+    "demo": {
+        "engine": {"model": "tiny"},
+        "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16},
+        "learner": {"learning_rate": 1e-2, "max_steps": 40},
+    },
+    # Measured on a loaded 2-core box (README, "The agent demo"): every rollout starts mini-swe-agent (about
+    # 5 CPU-seconds, most of it importing litellm), so a step is 2 tasks x 4 rollouts and the run is short.
+    "agent": {
+        "engine": {"model": "tiny-agent"},
+        "rollouts": {"harness": "mini-swe-agent", "tasks": str(AGENT_TASKS / "train"), "max_tokens_per_turn": 64,
+                     "num_generations": 4, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
+        "learner": {"learning_rate": 1e-3, "max_steps": 10, "groups_per_step": 2,
+                    "loss": {"normalization": "rollout"}},
+    },
+}
+# Models harness-rl builds offline (`harness-rl build-model`), and the preset each one implies.
+PRESET_FOR_MODEL: dict[str, Preset] = {"tiny": "demo", "tiny-agent": "agent"}
+BUILT_MODELS = tuple(PRESET_FOR_MODEL)

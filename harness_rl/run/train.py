@@ -1,0 +1,233 @@
+"""`harness-rl train`: an engine, the intercept proxy, the rollout scheduler and the learner, wired up.
+
+Two threads of control. A `BackgroundLoop` runs the proxy and the rollout scheduler: real agents in
+sandboxes, each in its own capture session, G per task, several groups in flight. The calling thread
+runs the one training loop (`Run.train`): it takes finished groups, makes a learner step, writes the
+rollouts and their traces, and the learner pushes the new weights into the engine (gated at the proxy,
+so no agent call straddles two versions) while rollouts continue against the new policy. A bounded
+hand-over queue, plus `max_staleness` in the learner, keep the rollouts from running far ahead.
+
+`build_run(config, model_dir)` builds everything from a checked `RunConfig` on its `Stack` (engine, proxy,
+client, scheduler); tests drive it with a fake harness, sandbox or reward function in place of the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness_rl.outcome import RewardFn, RolloutGroup, default_reward
+from harness_rl.run.config import RunConfig, to_toml
+from harness_rl.run.engines import RunStopped
+
+if TYPE_CHECKING:
+    from adapters.harnesses import Harness
+    from adapters.sandboxes import Sandbox
+    from harness_rl.background import BackgroundLoop
+    from harness_rl.learner.learner import Learner
+    from harness_rl.run.metrics import MetricsLogger
+    from harness_rl.run.rollouts import RolloutScheduler
+    from harness_rl.run.run_files import RunFiles
+    from harness_rl.run.stack import Stack
+
+
+def default_output_dir(config: RunConfig) -> Path:
+    return Path("runs") / f"{config.rollouts.harness}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+@dataclass
+class Run:
+    """A started run: its stack (engine, proxy, client, scheduler on the background loop), the learner, and the
+    run directory's files and metrics."""
+
+    config: RunConfig
+    output_dir: Path
+    stack: Stack
+    learner: Learner
+    files: RunFiles
+    metrics: MetricsLogger
+    tokenizer: Any
+    ready: asyncio.Queue[RolloutGroup] | None = None
+    rolling: asyncio.Task[None] | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def loop(self) -> BackgroundLoop:
+        return self.stack.loop
+
+    @property
+    def scheduler(self) -> RolloutScheduler:
+        return self.stack.scheduler
+
+    def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """The training loop: rollouts in, one learner step per `groups_per_step` groups, until `max_steps`."""
+        settings = self.config.learner
+        self.loop.run(self._start_rollouts())
+        while self.learner.step_count < settings.max_steps:
+            waited = time.perf_counter()
+            batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
+            _stop_on_setup_failures(batch, self.learner.step_count + 1)
+            metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            self.metrics.log(self.learner.step_count, metrics)
+            self.files.write(self.learner.step_count, batch)
+            self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
+            if on_step is not None:
+                on_step(self.learner.step_count, metrics)
+            if self.config.output.save_every and self.learner.step_count % self.config.output.save_every == 0:
+                self.save()
+        self.save()
+
+    async def _start_rollouts(self) -> None:
+        # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
+        self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
+        self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
+
+    async def _next_group(self) -> RolloutGroup:
+        """The next finished group; the scheduler's error if it stopped instead."""
+        assert self.ready is not None and self.rolling is not None
+        getter = asyncio.ensure_future(self.ready.get())
+        await asyncio.wait({getter, self.rolling}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        self.rolling.result()
+        raise RunStopped("the rollout scheduler ran out of work")
+
+    async def _stop_rollouts(self) -> None:
+        if self.rolling is not None:
+            self.rolling.cancel()
+            await asyncio.gather(self.rolling, return_exceptions=True)
+
+    def save(self) -> Path:
+        """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
+        self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
+        with interrupts_deferred():
+            path = self.learner.save()
+            self.tokenizer.save_pretrained(path / "model")
+        return path
+
+    def close(self) -> None:
+        """Cancel every rollout (their sessions and sandboxes close), then stop the learner and the stack."""
+        self.loop.run(self._stop_rollouts(), timeout=120)
+        with contextlib.suppress(Exception):
+            self.learner.close()
+        self.metrics.close()
+        self.files.close()
+        self.stack.close()
+
+
+def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
+    """Stop a run whose every rollout in a step failed for a setup reason: more steps would fail the same way."""
+    outcomes = [o for group in batch for o in group.outcomes]
+    if outcomes and all(o.config_error for o in outcomes):
+        raise RunStopped(f"every rollout of step {step} failed for a setup reason: {outcomes[0].error}")
+
+
+def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = None,
+              sandbox_factory: Callable[[], Sandbox] | None = None, reward_fn: RewardFn = default_reward) -> Run:
+    """Start everything a checked configuration describes on `model_dir` (resolved: a directory or the hub id
+    the engine serves); resume from its latest checkpoint when asked."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    from adapters.tasks import load_tasks
+    from harness_rl.learner.checkpoint import latest_checkpoint
+    from harness_rl.learner.learner import Learner
+    from harness_rl.learner.weight_sync import NoSync
+    from harness_rl.run.engines import EngineSampler, weight_sync_for
+    from harness_rl.run.metrics import MetricsLogger
+    from harness_rl.run.proxy_gate import ProxyGate
+    from harness_rl.run.run_files import RunFiles
+    from harness_rl.run.stack import Stack
+
+    transformers_logging.disable_progress_bar()
+    output_dir = Path(config.output.output_dir) if config.output.output_dir else default_output_dir(config)
+    tasks = load_tasks(config.rollouts.tasks)
+    created = not output_dir.exists()
+    stack: Stack | None = None
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        stack = Stack.start(config, model_dir, output_dir, tasks, harness=harness, sandbox_factory=sandbox_factory,
+                            reward_fn=reward_fn)
+        (output_dir / "config.toml").write_text(to_toml(config))
+        engine, loop = stack.engine, stack.loop
+        temperature = config.proxy.sampling.temperature or 1.0
+        sync = weight_sync_for(engine, loop)
+        learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
+                          weight_sync=ProxyGate(sync, stack.client, loop), output_dir=output_dir,
+                          save_total_limit=config.output.save_total_limit,
+                          sync_check=None if isinstance(sync, NoSync) else EngineSampler(engine.url, loop, temperature))
+        checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
+        if checkpoint is not None:
+            state = learner.load(checkpoint)
+            stack.scheduler.load_state_dict(state.get("scheduler", {}))
+        # The engine may still hold another run's weights (a vLLM kept between runs): it starts on ours, stamped
+        # with our version, so nothing is sampled by weights the learner never had.
+        learner.sync_weights()
+        metrics = MetricsLogger(output_dir, console=False, report_to=f"jsonl,{config.output.report_to}")
+        return Run(config, output_dir, stack, learner, RunFiles(output_dir, stack.scheduler.harness.name), metrics,
+                   AutoTokenizer.from_pretrained(engine.model_dir))
+    except BaseException:
+        if stack is not None:
+            stack.close()
+        if created:  # a run that never started leaves no half-made folder behind
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
+    """Run training to `max_steps` with a progress bar; the summary (also on Ctrl-C) is written and returned."""
+    from tqdm import tqdm
+
+    from harness_rl.learner.checkpoint import latest_checkpoint
+    from harness_rl.run.metrics import console_line
+    from harness_rl.run.report import write_report
+
+    run = build_run(config, model_dir)
+    bar = tqdm(total=config.learner.max_steps, initial=run.learner.step_count, desc="train", unit="step",
+               dynamic_ncols=True)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        bar.update(step - bar.n)
+        bar.write(console_line(step, metrics))
+
+    try:
+        run.train(on_step)
+    except KeyboardInterrupt:
+        bar.close()
+        run.close()
+        checkpoint = latest_checkpoint(run.output_dir)
+        write_report(run.output_dir, started=run.started)
+        kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        print(f"harness-rl train: interrupted; rollouts and sessions closed; {kept}", file=sys.stderr, flush=True)
+        raise
+    except BaseException:
+        bar.close()
+        run.close()
+        raise
+    bar.close()
+    run.close()
+    return write_report(run.output_dir, started=run.started)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (and SIGTERM) until the block is done, so a checkpoint is never half written."""
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            raise KeyboardInterrupt
