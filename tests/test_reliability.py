@@ -545,8 +545,8 @@ def test_8_the_store_is_private_and_keys_are_kept_hashed(hostile_server: tuple[H
 
 
 def _serve_proxy_cli(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--port", "0", "--no-engine-check",
-                             *args],
+    proc = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--port", "0",
+                             "--no-engine-check", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, **env})
     assert proc.stdout is not None
