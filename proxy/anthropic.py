@@ -1,10 +1,10 @@
 """Anthropic Messages: the body decoded into a `ChatCall`, the `Answer` rendered as a Message
 (its SSE events: `proxy.anthropic_stream`).
 
-The engine has no token capture on its own Messages route (reference/vllm.md §7), so the proxy
-terminates the dialect itself: system blocks become one system message (Claude Code's per-request
-billing-header block is dropped so prompts stay exact prefixes of each other), `tool_use` becomes
-`tool_calls`, `tool_result` becomes `role: tool`, `thinking` becomes `reasoning`. Decoding is typed:
+The engine has no token capture on its own Messages route, so the proxy terminates the dialect itself:
+system blocks become one system message (Claude Code's per-request billing-header block is dropped so
+prompts stay exact prefixes of each other), `tool_use` becomes `tool_calls`, `tool_result` becomes
+`role: tool`, `thinking` becomes `reasoning`. Decoding is typed:
 a missing `max_tokens`, an unknown content block or a malformed tool is a 400 naming the field.
 
 Deliberate leniency: a `role: "system"` message inside `messages` (Claude Code sends one) is accepted

@@ -22,7 +22,7 @@ from adapters.harnesses.gemini_cli import GeminiCliHarness
 from adapters.harnesses.mini_swe_agent import MiniSweAgentHarness
 from adapters.harnesses.opencode import OpencodeHarness
 from adapters.harnesses.pi import PiHarness
-from adapters.harnesses.qwen_code import QwenCodeHarness
+from adapters.harnesses.qwen_coder import QwenCodeHarness
 
 HARNESSES: dict[str, type[Harness]] = {harness.name: harness for harness in (
     EchoHarness, OpencodeHarness, ClaudeCodeHarness, MiniSweAgentHarness, CodexHarness, GeminiCliHarness,

@@ -1,5 +1,6 @@
-"""OpenEnv interop (reference/openenv_trace.md §9): our turns in OpenEnv's exact `TrainingTrace` JSON
-shape and back, so traces move both ways between harness-rl and TRL/OpenEnv.
+"""OpenEnv interop: our turns in the exact JSON shape of OpenEnv's `TrainingTrace`
+(`openenv.core.harness.training`, openenv 0.10) and back, so traces move both ways between harness-rl
+and TRL/OpenEnv.
 """
 
 from __future__ import annotations

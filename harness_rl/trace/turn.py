@@ -22,7 +22,7 @@ ROLES = ("agent", "auxiliary", "discarded")
 Role = Literal["agent", "auxiliary", "discarded"]
 PromptSource = Literal["spliced", "rendered"]
 
-# Rule names. Shared rules use OpenEnv's finding names (reference/openenv_trace.md §3).
+# Rule names. Shared rules use the finding names of OpenEnv's trace validator (openenv.core.harness).
 INVALID_TOKEN_ID = "invalid_token_id"
 INVALID_LOGPROB = "invalid_logprob"
 POSITIVE_LOGPROB = "positive_logprob"
