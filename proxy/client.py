@@ -49,8 +49,9 @@ class ProxyClient:
             self._http = None
 
     async def create_session(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None,
-                             max_tokens_per_turn: int | None = None) -> SessionInfo:
-        body = SessionCreate(metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn)
+                             max_tokens_per_turn: int | None = None, seed: int | None = None) -> SessionInfo:
+        body = SessionCreate(metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                             seed=seed)
         return await self._call("POST", "/sessions", SessionInfo, body)
 
     async def get_trace(self, session_id: str) -> TrainingTrace:

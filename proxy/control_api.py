@@ -11,6 +11,9 @@ class SessionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metadata: dict[str, Any] = {}
     max_turns: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_tokens_per_turn: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Each engine call of the session that sends no seed of its own is sampled with one derived from this
+    # and the call's number (`proxy.sampling.call_seed`), so a rollout can be sampled again exactly.
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
 
 
 class SessionInfo(msgspec.Struct, kw_only=True, frozen=True):
@@ -32,6 +35,7 @@ class SessionSummary(msgspec.Struct, kw_only=True):
     budget_stops: int
     max_turns: int | None
     max_tokens_per_turn: int | None
+    seed: int | None
     metadata: dict[str, Any]
 
 

@@ -91,7 +91,7 @@ class ControlRoutes:
             else self.config.max_tokens_per_turn
         await self._check_cap(cap)
         session, key = self.registry.create(
-            body.metadata, body.max_turns if body.max_turns is not None else self.config.max_turns, cap)
+            body.metadata, body.max_turns if body.max_turns is not None else self.config.max_turns, cap, body.seed)
         base = f"{self.base_url(request)}/s/{session.id}"
         return json_response(SessionInfo(id=session.id, key=key, openai_base_url=base + "/v1",
                                          anthropic_base_url=base, gemini_base_url=base), status=201)

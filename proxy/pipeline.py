@@ -21,6 +21,7 @@ from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
 from proxy.engine_wire import SamplingParams, WeightVersionSpan
+from proxy.sampling import call_seed
 from proxy.session import Session, TurnCapture
 from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
 from proxy.upstream import ChatRender, EngineClient, Generated, Rendered
@@ -104,7 +105,8 @@ class CapturePipeline:
 
     async def prepare(self, session: Session, call: ChatCall) -> Prepared:
         """The sampling the policy allows and the prompt ids (spliced or rendered)."""
-        applied, sampling = self.config.sampling.apply(call.knobs, session.opened.max_tokens_per_turn)
+        seed = call_seed(session.opened.seed, session.calls) if session.opened.seed is not None else None
+        applied, sampling = self.config.sampling.apply(call.knobs, session.opened.max_tokens_per_turn, seed)
         encoded = [_ENCODER.encode(m) for m in call.messages]
         tools = _ENCODER.encode(call.tools) if call.tools else None
         conversation = ChatRender(messages=[msgspec.Raw(m) for m in encoded], add_generation_prompt=True,

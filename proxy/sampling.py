@@ -8,6 +8,7 @@ the turn keeps (what was applied and what the agent asked for).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 import msgspec
@@ -44,8 +45,9 @@ class SamplingPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         description="what to do with knobs that truncate the distribution (top_p, top_k, min_p, penalties)")] \
         = "neutralise"
 
-    def apply(self, knobs: Knobs, session_cap: int | None) -> tuple[Applied, Sampling]:
-        """What the engine gets for these knobs, and the record of it; a refused knob is a 400."""
+    def apply(self, knobs: Knobs, session_cap: int | None, seed: int | None = None) -> tuple[Applied, Sampling]:
+        """What the engine gets for these knobs, and the record of it; a refused knob is a 400. `seed` is
+        the session's seed for this call (`call_seed`), used when the agent sends none."""
         requested = msgspec.structs.asdict(knobs)
         requested = {k: v for k, v in requested.items() if v is not None}
         for knob, neutral in NEUTRAL.items():
@@ -55,8 +57,15 @@ class SamplingPolicy(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                                       f"behaviour logprobs lie; this proxy refuses it (leave {knob} unset)")
         temperature = self.temperature if self.temperature is not None else knobs.temperature
         caps = [c for c in (knobs.max_tokens, session_cap) if c is not None]
-        applied = Applied(temperature=temperature, max_tokens=min(caps) if caps else None, seed=knobs.seed,
-                          stop=knobs.stop)
-        record = Sampling(temperature=temperature, max_tokens=applied.max_tokens, seed=knobs.seed,
+        applied = Applied(temperature=temperature, max_tokens=min(caps) if caps else None,
+                          seed=knobs.seed if knobs.seed is not None else seed, stop=knobs.stop)
+        record = Sampling(temperature=temperature, max_tokens=applied.max_tokens, seed=applied.seed,
                           stop=knobs.stop or [], requested=requested, truncation=self.truncation)
         return applied, record
+
+
+def call_seed(session_seed: int, call: int) -> int:
+    """The sampling seed of a session's `call`-th engine call (1-based), stable across runs and machines
+    (31 bits, which every engine takes)."""
+    digest = hashlib.sha256(f"{session_seed}/{call}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1

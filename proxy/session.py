@@ -248,6 +248,7 @@ class Session:
         return SessionSummary(id=self.id, created_at=self.opened.created_at, closed=self.closed,
                               turns=len(self.turns), calls=self.calls, budget_stops=self.budget_stops,
                               max_turns=self.opened.max_turns, max_tokens_per_turn=self.opened.max_tokens_per_turn,
+                              seed=self.opened.seed,
                               metadata=self.opened.metadata)
 
     def snapshot(self) -> TraceSnapshot:
@@ -321,11 +322,12 @@ class SessionRegistry:
         self.recovery = Recovery()
 
     def create(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None,
-               max_tokens_per_turn: int | None = None) -> tuple[Session, str]:
+               max_tokens_per_turn: int | None = None, seed: int | None = None) -> tuple[Session, str]:
         """A new session and its key (the only time the key exists in the clear)."""
         key = "hrl-" + secrets.token_urlsafe(24)
         opened = SessionOpened(id="s" + secrets.token_hex(12), key_sha256=key_digest(key), created_at=time.time(),
-                               metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn)
+                               metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
+                               seed=seed)
         session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync), max_chain=self.max_chain)
         session.log.append(encode_line(opened))
         self.add(session)

@@ -34,6 +34,7 @@ class SessionOpened(msgspec.Struct, tag="session", tag_field="kind", kw_only=Tru
     metadata: dict[str, Any] = {}
     max_turns: int | None = None
     max_tokens_per_turn: int | None = None
+    seed: int | None = None
 
     @property
     def key_digest(self) -> str:

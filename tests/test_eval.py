@@ -71,10 +71,10 @@ def test_splits_are_labelled_by_their_folder_and_kept_apart() -> None:
                          "other/train"]) == ["train", "heldout", "tasks", "train-2"]
 
 
-def test_sampling_seeds_depend_on_seed_task_and_sample_only() -> None:
-    seeds = {rollout_seed(s, t, i) for s in (0, 1) for t in ("a", "b") for i in (0, 1)}
-    assert len(seeds) == 8 and all(0 <= s < 2**31 for s in seeds)
-    assert rollout_seed(0, "a", 1) == rollout_seed(0, "a", 1) == 886027111
+def test_sampling_seeds_depend_on_seed_group_task_and_sample_only() -> None:
+    seeds = {rollout_seed(s, g, t, i) for s in (0, 1) for g in (0, 1) for t in ("a", "b") for i in (0, 1)}
+    assert len(seeds) == 16 and all(0 <= s < 2**31 for s in seeds)
+    assert rollout_seed(0, 0, "a", 1) == rollout_seed(0, 0, "a", 1) == 298535312
 
 
 def test_eval_takes_a_runs_settings_and_its_preset() -> None:

@@ -18,7 +18,7 @@ from harness_rl.run.stack import serve_proxy
 from proxy.client import ProxyClient, ProxyClientError
 from proxy.config import ProxyConfig
 from proxy.pipeline import BUDGET_MESSAGE
-from proxy.sampling import SamplingPolicy
+from proxy.sampling import SamplingPolicy, call_seed
 from proxy.server import RunningProxy
 
 Served = tuple[FakeEngine, str]  # the fake engine and its URL
@@ -176,6 +176,31 @@ def test_client_api(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
             assert missing.value.status == 404
 
     asyncio.run(run())
+
+
+def test_a_seeded_session_seeds_every_call_the_agent_does_not(fake_proxy: RunningProxy,
+                                                               fake_engine: FakeEngine) -> None:
+    """The session's seed reaches the engine as each call's own seed (`call_seed(seed, n)` for the n-th call,
+    a retry of a failed call keeps its number); an agent's own seed wins; an unseeded session sends none."""
+    async def run() -> tuple[list, list]:
+        async with ProxyClient(fake_proxy.url, fake_proxy.admin_token) as client, httpx.AsyncClient() as http:
+            seeded = await client.create_session(seed=7)
+            plain = await client.create_session()
+            sent = []
+            for info, own in ((seeded, None), (seeded, None), (seeded, 5), (plain, None)):
+                body = {"model": "m", "messages": [{"role": "user", "content": f"q{len(sent)}"}], "max_tokens": 64,
+                        **({"seed": own} if own is not None else {})}
+                got = await http.post(f"{info.openai_base_url}/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {info.key}"})
+                assert got.status_code == 200
+                sent.append(fake_engine.requests[-1]["sampling_params"].get("seed"))
+            turns = (await client.get_trace(seeded.id)).turns
+            return sent, [turn.sampling.seed for turn in turns]
+
+    sent, recorded = asyncio.run(run())
+    assert sent == [call_seed(7, 1), call_seed(7, 2), 5, None]
+    assert recorded == sent[:3]
+    assert call_seed(7, 1) != call_seed(7, 2) and call_seed(7, 1) == call_seed(7, 1) < 2**31
 
 
 def test_policy_version_falls_back_to_the_admin_value(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:

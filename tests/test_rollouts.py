@@ -20,8 +20,9 @@ from adapters.harnesses.echo import EchoHarness
 from adapters.sandboxes import Sandbox, SandboxStartError
 from adapters.sandboxes.local import LocalSandbox, marked_processes
 from adapters.tasks import load_task
-from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler
+from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler, rollout_seed
 from proxy.client import ProxyClient
+from proxy.sampling import call_seed
 
 pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
@@ -112,6 +113,72 @@ async def test_groups_stream_into_the_queue_within_the_concurrency_limit(client,
     resumed = scheduler(client, tasks)
     resumed.load_state_dict(runner.state_dict())
     assert resumed._next_group()[0].name == "harness-rl/write-greeting"
+
+
+class HeldBack(EchoHarness):
+    """Echo, except that rollouts of `task` wait until the test lets them go."""
+
+    def __init__(self, task_instruction: str) -> None:
+        super().__init__()
+        self.instruction, self.go = task_instruction, asyncio.Event()
+
+    async def run(self, sandbox, endpoint, instruction, timeout):
+        if instruction == self.instruction:
+            await self.go.wait()
+        return await super().run(sandbox, endpoint, instruction, timeout)
+
+
+async def _until(condition, limit_s: float = 120.0) -> None:
+    """Wait for a condition of the scheduler's own state (a deadline only against hanging forever)."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake_engine, lockstep) -> None:
+    """Group 0 is held back until groups 1 and 2 are done: in lockstep it still comes first, otherwise last."""
+    tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
+    harness = HeldBack(tasks[0].instruction)
+    runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=lockstep)
+    queue: asyncio.Queue = asyncio.Queue()
+    running = asyncio.create_task(runner.run(queue, num_groups=3))
+    await _until(lambda: queue.qsize() + sum(task.done() for group_id, task in runner._in_flight.items()
+                                             if group_id != 0) == 2 and runner.groups_started == 3)
+    assert queue.qsize() == (0 if lockstep else 2)
+    harness.go.set()
+    await running
+    assert [queue.get_nowait().group_id for _ in range(3)] == ([0, 1, 2] if lockstep else [1, 2, 0])
+
+
+async def test_hold_waits_for_every_group_in_flight_and_starts_none_until_release(client, fake_engine) -> None:
+    tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
+    harness = HeldBack(tasks[0].instruction)
+    runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=True)
+    queue: asyncio.Queue = asyncio.Queue()
+    running = asyncio.create_task(runner.run(queue, num_groups=5))
+    await _until(lambda: runner.groups_started == 3)  # three groups in flight: the limit (ceil(4/2) + 1)
+    holding = asyncio.create_task(runner.hold())
+    await _until(lambda: runner._in_flight[1].done() and runner._in_flight[2].done())
+    assert not holding.done()  # group 0 is still running
+    harness.go.set()
+    await holding
+    for _ in range(20):  # however long the loop runs, a held scheduler starts nothing
+        await asyncio.sleep(0)
+    assert runner.groups_started == 3 and [queue.get_nowait().group_id for _ in range(3)] == [0, 1, 2]
+    await runner.release()
+    await running
+    assert runner.groups_started == 5 and [queue.get_nowait().group_id for _ in range(2)] == [3, 4]
+
+
+async def test_every_rollout_session_is_seeded_from_the_run_seed(client, fake_engine) -> None:
+    runner = scheduler(client, num_generations=2)
+    runner.seed = 11
+    group = await runner.run_group(DIGITS, 3)
+    seeds = [o.trace.metadata["seed"] for o in group.outcomes]
+    assert seeds == [rollout_seed(11, 3, DIGITS.name, 0), rollout_seed(11, 3, DIGITS.name, 1)]
+    assert [o.trace.turns[0].sampling.seed for o in group.outcomes] == [call_seed(seed, 1) for seed in seeds]
 
 
 async def test_the_reward_hook_sees_the_whole_outcome(client, fake_engine) -> None:

@@ -115,18 +115,14 @@ async def install_package(sandbox: Sandbox, package: Package) -> None:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where one rollout's agent sends its model calls: a proxy session's URLs and key.
-
-    `seed`, when set, is the sampling seed the agent should send with every call (for reproducible
-    evaluation); adapters whose CLI can set one pass it on (mini-swe-agent), the others ignore it.
-    """
+    """Where one rollout's agent sends its model calls: a proxy session's URLs and key. (Sampling seeds are
+    the proxy's: it seeds every call of a seeded session, whatever the agent sends or not.)"""
 
     openai_base_url: str
     anthropic_base_url: str
     api_key: str
     model: str = POLICY_MODEL
     gemini_base_url: str = ""  # Google's SDKs append `/v1beta/models/...`; the session's root when not given
-    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.gemini_base_url:

@@ -9,7 +9,7 @@ Chat and sends the leaf name. Its global config dir lives in the sandbox's priva
 mini-swe-agent's prompt shows the machine's `uname` (system, release, version, machine: its
 template variables come from `platform.uname()`, then the environment, which wins). `uname` pins
 them through the environment, so the prompt is the same on every machine (the `tiny-agent` demo
-needs that). An endpoint's seed goes into every request (`model_kwargs.seed`).
+needs that).
 
 A reply without a tool call is a format error: mini-swe-agent leaves that reply out of its history
 and sends an error message instead, so the next call cannot continue the reply's tokens (a new
@@ -63,8 +63,6 @@ class MiniSweAgentHarness(Harness):
             "-c", f"agent.max_consecutive_format_errors={self.max_consecutive_format_errors}",
             "-c", "agent.cost_limit=0",
         ]
-        if endpoint.seed is not None:
-            argv += ["-c", f"model.model_kwargs.seed={endpoint.seed}"]
         env = isolated_env(
             sandbox,
             OPENAI_API_KEY=endpoint.api_key,

@@ -8,8 +8,8 @@ turns after the first that chain onto their predecessor (`rollout_stats`).
 
 Output: `RUN/eval.json` (`EvalReport`), and `RUN/rollouts.jsonl` + `RUN/traces/` in a training run's
 format (`run_files`, step 0), so `harness-rl sft --traces RUN/traces` learns from its successes.
-Each rollout's agent is asked for a sampling seed derived from (seed, task, sample) where its
-harness can send one, so the same command samples the same rollouts again.
+Every rollout's proxy session is seeded from (seed, task, sample), and the proxy seeds each engine call
+from it, so the same command samples the same rollouts again.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def evaluate(config: EvalConfig, model_dir: Path, *, harness: Harness | None = N
     output_dir.mkdir(parents=True, exist_ok=True)
     all_tasks = [task for _, _, tasks in splits for task in tasks]
     with Stack.start(config.run_config(), model_dir, output_dir, all_tasks, harness=harness,
-                     sandbox_factory=sandbox_factory, rollout_seed=config.seed, name="harness-rl-eval") as stack:
+                     sandbox_factory=sandbox_factory, name="harness-rl-eval") as stack:
         loop, scheduler = stack.loop, stack.scheduler
         bar = tqdm(total=len(jobs), desc="eval", unit="rollout", dynamic_ncols=True, disable=not progress)
         running = loop.run(_start(_run_all(scheduler, jobs, bar.update)))

@@ -29,7 +29,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "real": {},
     "demo": {
         "engine": {"model": "tiny"},
-        "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16},
+        "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16, "lockstep": True},
         "learner": {"learning_rate": 1e-2, "max_steps": 40},
     },
     # Measured on a loaded 2-core box (README, "The agent demo"): every rollout starts mini-swe-agent (about

@@ -20,8 +20,11 @@ What counts as what:
 The scheduler's position (next task, groups started) is exported with `state_dict()` for
 checkpoints. Groups that were in flight when a checkpoint was taken are not replayed on resume.
 
-With a `seed`, each rollout's agent is asked to send the sampling seed `rollout_seed(seed, task,
-index)` (harnesses that can, see `Endpoint.seed`), so an evaluation samples the same rollouts again.
+Every rollout's proxy session is seeded with `rollout_seed(seed, group, task, index)`, so the proxy
+seeds each of its engine calls (`proxy.sampling.call_seed`): the same run seed samples the same
+rollouts again, on an engine whose sampling does not depend on what else it batches. With
+`lockstep`, groups are also handed over in the order they started, and `hold()` lets the run wait for
+every group in flight before a weight sync, so each group is sampled by one policy version.
 """
 
 from __future__ import annotations
@@ -74,15 +77,21 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sandbox_start_attempts: Annotated[AtLeastOne, setting("sandbox creation attempts", flag=None)] = 3
     sandbox_retry_backoff_s: Annotated[NonNegative, setting("first retry delay", flag=None)] = 1.0
     delete_sessions: Annotated[bool, setting("delete proxy sessions once fetched", flag=None)] = False
+    lockstep: Annotated[bool, setting(
+        "sample each group with one policy version and hand groups to the learner in the order they started "
+        "(a weight sync waits for the groups in flight): with --seed, the same rollouts every run on an engine "
+        "whose sampling does not depend on its batch (the embedded engine); costs the overlap of syncs with "
+        "sampling")] = False
 
 
 class RolloutConfigError(ValueError):
     """A setting that would make every rollout fail (e.g. a loopback proxy URL for a cloud sandbox)."""
 
 
-def rollout_seed(seed: int, task: str, index: int) -> int:
-    """A sampling seed for the `index`-th rollout of `task`, stable across runs and machines (31 bits)."""
-    digest = hashlib.sha256(f"{seed}/{task}/{index}".encode()).digest()
+def rollout_seed(seed: int, group_id: int, task: str, index: int) -> int:
+    """The session seed of the `index`-th rollout of group `group_id` (on `task`), stable across runs and
+    machines (31 bits)."""
+    digest = hashlib.sha256(f"{seed}/{group_id}/{task}/{index}".encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1
 
 
@@ -102,7 +111,7 @@ class RolloutScheduler:
         rollout_reward_fn: RewardFn = default_reward,
         harness: Harness | None = None,
         sandbox_factory: Callable[[], Sandbox] | None = None,
-        seed: int | None = None,
+        seed: int = 0,
     ) -> None:
         if not tasks:
             raise RolloutConfigError("no tasks to run")
@@ -117,6 +126,9 @@ class RolloutScheduler:
         self.task_cursor = 0
         self.groups_started = 0
         self._slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
+        self._in_flight: dict[int, asyncio.Task[RolloutGroup]] = {}
+        self._held = False
+        self._wake = asyncio.Event()
 
     def state_dict(self) -> dict[str, int]:
         return {"task_cursor": self.task_cursor, "groups_started": self.groups_started}
@@ -132,26 +144,46 @@ class RolloutScheduler:
         return task, self.groups_started - 1
 
     async def run(self, queue: asyncio.Queue[RolloutGroup], num_groups: int | None = None) -> None:
-        """Fill `queue` with finished groups (in finishing order) until `num_groups` are done, or forever."""
-        in_flight: set[asyncio.Task[RolloutGroup]] = set()
-        started = 0
+        """Fill `queue` with finished groups until `num_groups` are done, or forever: in the order they finish,
+        or with `lockstep` in the order they started."""
+        in_flight, started = self._in_flight, 0
         try:
             while True:
-                wanted = num_groups is None or started < num_groups
-                while wanted and len(in_flight) < max_groups_in_flight(self.config):
+                while ((num_groups is None or started < num_groups) and not self._held
+                       and len(in_flight) < max_groups_in_flight(self.config)):
                     task, group_id = self._next_group()
-                    in_flight.add(asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}"))
+                    in_flight[group_id] = asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}")
                     started += 1
-                    wanted = num_groups is None or started < num_groups
-                if not in_flight:
+                if not in_flight and not self._held:
                     return
-                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                for finished in done:
-                    await queue.put(finished.result())
+                self._wake.clear()
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({woken, *in_flight.values()}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                for group_id in sorted(in_flight):
+                    if not in_flight[group_id].done():
+                        if self.config.lockstep:
+                            break  # an older group is still running: keep the order groups started in
+                        continue
+                    await queue.put(in_flight.pop(group_id).result())
         finally:
-            for pending in in_flight:
+            for pending in in_flight.values():
                 pending.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            await asyncio.gather(*in_flight.values(), return_exceptions=True)
+            in_flight.clear()
+
+    async def hold(self) -> None:
+        """Start no new group, and return once every group in flight has finished (a weight sync may follow)."""
+        self._held = True
+        self._wake.set()
+        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+
+    async def release(self) -> None:
+        """Start groups again (after `hold`)."""
+        self._held = False
+        self._wake.set()
 
     async def run_group(self, task: Task, group_id: int) -> RolloutGroup:
         """G rollouts of one task, concurrently (within the scheduler's rollout limit).
@@ -177,14 +209,15 @@ class RolloutScheduler:
             session: SessionInfo | None = None
             try:
                 sandbox = await self._start_sandbox(task)
+                seed = rollout_seed(self.seed, group_id, task.name, index)
                 session = await self._open_session(
-                    {"rollout_id": rollout_id, "task": task.name, "group_id": group_id, "harness": self.harness.name})
+                    {"rollout_id": rollout_id, "task": task.name, "group_id": group_id, "harness": self.harness.name,
+                     "seed": seed}, seed)
                 self._check_reachable(sandbox, session)
                 await sandbox.allow(session.openai_base_url)
                 await sandbox.allow(session.anthropic_base_url)
-                seed = rollout_seed(self.seed, task.name, index) if self.seed is not None else None
                 endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key,
-                                    gemini_base_url=session.gemini_base_url, seed=seed)
+                                    gemini_base_url=session.gemini_base_url)
                 run = await self.harness.run(sandbox, endpoint, task.instruction, self._agent_timeout(task))
                 await self.proxy.close_session(session.id)
                 closed, session = session, None
@@ -215,10 +248,11 @@ class RolloutScheduler:
             outcome.duration_s = time.monotonic() - started
             return outcome
 
-    async def _open_session(self, metadata: dict[str, Any]) -> SessionInfo:
+    async def _open_session(self, metadata: dict[str, Any], seed: int) -> SessionInfo:
         """Create a capture session; if cancelled while the proxy is creating it, close it before giving up."""
         creating = asyncio.ensure_future(self.proxy.create_session(
-            metadata=metadata, max_turns=self.config.max_turns, max_tokens_per_turn=self.config.max_tokens_per_turn))
+            metadata=metadata, max_turns=self.config.max_turns, max_tokens_per_turn=self.config.max_tokens_per_turn,
+            seed=seed))
         try:
             return await asyncio.shield(creating)
         except asyncio.CancelledError:

@@ -47,9 +47,8 @@ class Stack:
     @classmethod
     def start(cls, config: RunConfig, model_dir: Path, run_dir: Path, tasks: Sequence[Task], *,
               harness: Harness | None = None, sandbox_factory: Callable[[], Sandbox] | None = None,
-              reward_fn: RewardFn = default_reward, rollout_seed: int | None = None,
-              served_model_name: str | None = None, forced_completions: bool = False,
-              name: str = "harness-rl-rollouts") -> Stack:
+              reward_fn: RewardFn = default_reward, served_model_name: str | None = None,
+              forced_completions: bool = False, name: str = "harness-rl-rollouts") -> Stack:
         """Start the engine `config.engine` describes on `model_dir`, a proxy (its store under `run_dir/proxy`),
         its client and a scheduler over `tasks`. `forced_completions` is the demo teacher's, never a run's."""
         from harness_rl.run.rollouts import RolloutScheduler
@@ -69,7 +68,7 @@ class Stack:
             undo.callback(lambda: loop.run(proxy.stop(), timeout=60))
             client = ProxyClient(proxy.url, proxy.admin_token)
             scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory,
-                                         seed=rollout_seed)
+                                         seed=config.seed)
             undo.pop_all()
         return cls(loop, engine, proxy, client, scheduler)
 

@@ -29,10 +29,13 @@ from harness_rl.run.config import RunConfig, to_toml
 from harness_rl.run.engines import RunStopped
 
 if TYPE_CHECKING:
+    import torch
+
     from adapters.harnesses import Harness
     from adapters.sandboxes import Sandbox
     from harness_rl.background import BackgroundLoop
     from harness_rl.learner.learner import Learner
+    from harness_rl.learner.weight_sync import WeightSync
     from harness_rl.run.metrics import MetricsLogger
     from harness_rl.run.rollouts import RolloutScheduler
     from harness_rl.run.run_files import RunFiles
@@ -161,8 +164,11 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         engine, loop = stack.engine, stack.loop
         temperature = config.proxy.sampling.temperature or 1.0
         sync = weight_sync_for(engine, loop)
+        gated: WeightSync = ProxyGate(sync, stack.client, loop)
+        if config.rollouts.lockstep:
+            gated = LockstepSync(gated, stack.scheduler, loop)
         learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
-                          weight_sync=ProxyGate(sync, stack.client, loop), output_dir=output_dir,
+                          weight_sync=gated, output_dir=output_dir,
                           save_total_limit=config.output.save_total_limit,
                           sync_check=None if isinstance(sync, NoSync) else EngineSampler(engine.url, loop, temperature))
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
@@ -181,6 +187,25 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         if created:  # a run that never started leaves no half-made folder behind
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
+
+
+class LockstepSync:
+    """A weight sync that first lets every group in flight finish and starts no new one until the new weights
+    are in (`rollouts.lockstep`): each group is then sampled by one policy version."""
+
+    def __init__(self, inner: WeightSync, scheduler: RolloutScheduler, loop: BackgroundLoop) -> None:
+        self.inner, self.scheduler, self.loop = inner, scheduler, loop
+        self.keeps_requests = inner.keeps_requests
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        self.loop.run(self.scheduler.hold())
+        try:
+            self.inner.push(model, version)
+        finally:
+            self.loop.run(self.scheduler.release())
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
