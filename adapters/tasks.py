@@ -17,7 +17,7 @@ DEFAULT_WORKDIR = "/app"
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 WORKSPACE_SEED_DIR = "workspace"
 SOLUTION_SCRIPT = "solution/solve.sh"
-HF_REPO_ID = re.compile(r"^(hf://)?(datasets/)?[\w.-]+/[\w.-]+$")
+HF_REPO_ID = re.compile(r"^hf://(datasets/)?[\w.-]+/[\w.-]+$")
 
 
 class TaskError(ValueError):
@@ -108,18 +108,26 @@ def load_task(path: str | Path) -> Task:
 
 
 def load_tasks(source: str | Path, cache_dir: str | Path | None = None) -> list[Task]:
-    """Tasks from a task directory, a directory of tasks, or a Hugging Face dataset repo id.
+    """Tasks from a task directory, a directory of tasks, or a Hugging Face dataset repo.
 
-    A dataset repo (`org/name`, optionally `hf://datasets/org/name`) is laid out as
-    `tasks/<name>/`; it is downloaded with `local_dir` so no cache symlinks dangle. A local
-    directory is tried first, so a local path that looks like `org/name` still wins.
+    A dataset repo is written `hf://org/name` (or `hf://datasets/org/name`), never bare: a mistyped
+    local path is then an error, not a network call. It is laid out as `tasks/<name>/` and
+    downloaded with `local_dir` so no cache symlinks dangle.
     """
     path = Path(source).expanduser()
     if path.exists():
         return _tasks_in(path)
     if HF_REPO_ID.match(str(source)):
         return _tasks_in(_download_dataset(str(source), cache_dir))
-    raise TaskError(f"no task directory or dataset named {source!r}")
+    raise TaskError(missing_tasks(str(source)))
+
+
+def missing_tasks(source: str) -> str:
+    """What to say of a task source that is neither a local directory nor `hf://org/name`."""
+    if source.startswith("hf://"):
+        return f"{source!r} is not a dataset repo id (hf://org/name)"
+    hint = f" (a Hugging Face dataset is written hf://{source})" if re.match(r"^[\w.-]+/[\w.-]+$", source) else ""
+    return f"no task directory {source!r}{hint}"
 
 
 def _tasks_in(path: Path) -> list[Task]:

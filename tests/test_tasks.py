@@ -102,7 +102,7 @@ def test_broken_tasks_name_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "task.toml").write_text("[agent\n")
     with pytest.raises(TaskError, match="task.toml"):
         load_task(tmp_path)
-    with pytest.raises(TaskError, match="no task directory or dataset"):
+    with pytest.raises(TaskError, match="no task directory"):
         load_tasks(tmp_path / "missing" / "deeper" / "still")
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import re
 import shlex
+import sys
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable
@@ -47,6 +48,25 @@ class Package:
     @property
     def spec(self) -> str:
         return f"{self.name}@{self.version}" if self.registry == "npm" else f"{self.name}=={self.version}"
+
+    def install_command(self, tools_dir: Path) -> str:
+        """The one shell command that installs this release into a tools dir on this machine."""
+        if self.registry == "npm":
+            return f"{NPM_INSTALL} --prefix {shlex.quote(str(tools_dir / 'npm'))} {shlex.quote(self.spec)}"
+        if self.venv is None:
+            return f"{shlex.quote(sys.executable)} -m {PIP_INSTALL} {shlex.quote(self.spec)}"
+        venv = tools_dir / self.venv
+        return (f"python3 -m venv {shlex.quote(str(venv))} && {shlex.quote(str(venv / 'bin' / 'python'))} -m "
+                f"{PIP_INSTALL} {shlex.quote(self.spec)}")
+
+    def missing(self, tools_dir: Path) -> str | None:
+        """Why this release cannot run from a tools dir on this machine (with the command that fixes it), or None."""
+        found = self.installed_version(tools_dir)
+        if found == self.version:
+            return None
+        state = "is not installed" if found is None else f"is at {found}, not {self.version},"
+        return (f"{self.registry} {self.spec} {state} in {tools_dir}: run scripts/install_agents.sh, or "
+                f"{self.install_command(tools_dir)}")
 
     def installed_version(self, tools_dir: Path) -> str | None:
         """The version present in a tools dir on this machine (or this Python), None when absent."""
@@ -174,9 +194,16 @@ class Harness(ABC):
     package: ClassVar[Package | None] = None
 
     async def install(self, sandbox: Sandbox) -> None:
-        """Make the CLI runnable inside the sandbox; a no-op when its pinned version already is."""
-        if self.package is not None:
-            await install_package(sandbox, self.package)
+        """Make the CLI runnable inside the sandbox; a no-op when its pinned version already is. A sandbox that
+        shares this machine's tools dir never installs: the CLI must be there already (a setup error)."""
+        if self.package is None:
+            return
+        if sandbox.shares_host_tools:
+            missing = self.package.missing(Path(sandbox.tools_dir))
+            if missing is not None:
+                raise SandboxError(f"{self.name}: {missing}")
+            return
+        await install_package(sandbox, self.package)
 
     def binary(self, sandbox: Sandbox) -> str:
         if self.package is None:

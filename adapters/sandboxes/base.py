@@ -58,6 +58,9 @@ class Sandbox(ABC):
     logs_dir: str = "/logs"
     tests_dir: str = "/tests"
     tools_dir: str = "/opt/harness-rl"
+    shares_host_tools: bool = False
+    """True where `tools_dir` is this machine's own: agent CLIs are installed there once, before a run, never
+    by a rollout (a remote sandbox installs its own)."""
     python: str = "python3"
 
     @abstractmethod

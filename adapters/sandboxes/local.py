@@ -74,6 +74,7 @@ class LocalSandbox(Sandbox):
     """A rollout's workspace on this machine; see the module docstring for the layout and isolation."""
 
     kind = "local"
+    shares_host_tools = True
 
     def __init__(
         self,

@@ -86,12 +86,18 @@ def _check_engine(config: RunConfig) -> None:
 
 
 def _check_rollouts(config: RunConfig) -> None:
-    from adapters.harnesses import HARNESS_NAMES
-    from adapters.tasks import HF_REPO_ID, TaskError, load_tasks
+    from adapters.harnesses import HARNESS_NAMES, harness_class
+    from adapters.sandboxes.local import default_tools_dir
+    from adapters.tasks import HF_REPO_ID, TaskError, load_tasks, missing_tasks
 
     rollouts = config.rollouts
     if rollouts.harness.replace("_", "-") not in HARNESS_NAMES:
         raise ConfigError("--harness", f"{rollouts.harness!r} is not one of {', '.join(HARNESS_NAMES)}")
+    package = harness_class(rollouts.harness).package
+    if rollouts.sandbox == "local" and package is not None:  # rollouts never install: the CLI must be here
+        missing = package.missing(default_tools_dir())
+        if missing is not None:
+            raise ConfigError("--harness", f"{rollouts.harness}: {missing}")
     if not rollouts.tasks:
         raise ConfigError("--tasks", "required: a Harbor task dir, a dir of them, or hf://<dataset repo>")
     if Path(rollouts.tasks).expanduser().exists():
@@ -100,7 +106,7 @@ def _check_rollouts(config: RunConfig) -> None:
         except TaskError as exc:
             raise ConfigError("--tasks", str(exc)) from None
     elif not HF_REPO_ID.match(rollouts.tasks):
-        raise ConfigError("--tasks", f"{rollouts.tasks!r} is neither a task directory nor hf://<dataset repo>")
+        raise ConfigError("--tasks", missing_tasks(rollouts.tasks))
     if rollouts.sandbox == "harbor" and sys.version_info < (3, 12):
         raise ConfigError("--sandbox", "harbor needs Python >= 3.12 (this is "
                                        f"{sys.version_info.major}.{sys.version_info.minor})")

@@ -57,10 +57,12 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
     plt.close(figure)
 
 
-def write_report(output_dir: Path, *, started: float) -> dict[str, Any]:
-    """Write `training.png` and `summary.json`, print the summary, and return it."""
+def write_report(output_dir: Path, *, started: float, stopped: str | None = None) -> dict[str, Any]:
+    """Write `training.png` and `summary.json`, print the summary, and return it. `stopped` says why a run
+    ended before `max_steps` (interrupted, or the reason it could not go on)."""
     rows = read_metrics(output_dir)
     summary = summarize(rows, duration_s=time.time() - started)
+    summary["stopped"] = stopped
     if rows:
         plot(rows, output_dir / "training.png")
         summary["plot"] = str(output_dir / "training.png")
@@ -69,6 +71,7 @@ def write_report(output_dir: Path, *, started: float) -> dict[str, Any]:
     change = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "n/a"
     chained = summary["chained_turns_share"]
     chain = f"; {chained:.1%} of later agent turns chained" if chained is not None else ""
-    print(f"done: {summary['steps']} steps in {summary['duration_s']:.0f}s; mean reward over the first/last "
+    ended = "done" if stopped is None else "stopped"
+    print(f"{ended}: {summary['steps']} steps in {summary['duration_s']:.0f}s; mean reward over the first/last "
           f"{WINDOW} steps {change}{chain}; outputs in {output_dir}")
     return summary

@@ -230,13 +230,14 @@ def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
         bar.close()
         run.close()
         checkpoint = latest_checkpoint(run.output_dir)
-        write_report(run.output_dir, started=run.started)
+        write_report(run.output_dir, started=run.started, stopped="interrupted")
         kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written yet"
         print(f"harness-rl train: interrupted; rollouts and sessions closed; {kept}", file=sys.stderr, flush=True)
         raise
-    except BaseException:
+    except BaseException as error:
         bar.close()
         run.close()
+        write_report(run.output_dir, started=run.started, stopped=f"{type(error).__name__}: {error}")
         raise
     bar.close()
     run.close()
