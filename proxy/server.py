@@ -142,8 +142,12 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         return RequestHandler(manager, loop=loop, keepalive_timeout=config.header_timeout_s, lingering_time=LINGER_S,
                               access_log=None)  # type: ignore[arg-type]  # None: no access log (aiohttp's documented way)
 
-    server = await loop.create_server(proxy.guard.protocol_factory(handler), config.host or None, config.port,
-                                      backlog=1024, reuse_address=True)
+    try:
+        server = await loop.create_server(proxy.guard.protocol_factory(handler), config.host or None, config.port,
+                                          backlog=1024, reuse_address=True)
+    except BaseException:
+        await runner.cleanup()  # a port in use: close the engine client and the store before saying so
+        raise
     port = server.sockets[0].getsockname()[1]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     url = f"http://{host}:{port}"

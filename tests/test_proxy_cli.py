@@ -84,3 +84,19 @@ def test_proxy_modules_and_command_never_import_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(fake_engine_server: tuple, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", fake_engine_server[1],
+             "--port", str(port), "--store", str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"harness-rl serve proxy: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+        "address already in use"]  # no "Unclosed client session" after it
