@@ -28,6 +28,7 @@ from proxy.live import AnswerHead, Finished, LiveStream, Opened, StreamEvent, Te
 from proxy.openai_chat_stream import ChatStream
 from proxy.openai_responses_stream import ResponsesStream
 from proxy.pipeline import CapturePipeline, budget_answer
+from proxy.sampling import check_max_tokens
 from proxy.session import Session, SessionRegistry
 from proxy.streaming import capture_streamed
 from proxy.upstream import EngineClient
@@ -218,6 +219,8 @@ class AgentRoutes:
                       answer_id: str | None = None,
                       answered: Callable[[Answer], None] | None = None) -> web.StreamResponse:
         """Capture the call and answer it, under the id its dialect refers back to (`answered` learns it)."""
+        await self.engine.served_model()  # learns the engine's context size once it serves
+        check_max_tokens(call, self.engine.max_model_len)
         renderer = RENDERERS[call.dialect]
         gate = self.pipeline.gate
         await gate.enter()

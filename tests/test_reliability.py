@@ -666,6 +666,64 @@ def test_a_cap_beyond_the_engine_context_is_refused_at_creation(start: Callable[
                       headers=ADMIN).status_code == 400
 
 
+OVERSIZE_MAX_TOKENS = {"10^12": 10**12, "2^70": 2**70, "context + 1": 4097}
+
+
+def _ask(agent: Agent, dialect: str, max_tokens: int, stream: bool) -> tuple[httpx.Response, dict[str, Any]]:
+    """One call in `dialect` with this output budget; the reply and the error object its SDK reads."""
+    s = f"{agent.proxy.url}/s/{agent.session['id']}"
+    hi = [{"role": "user", "content": "hi"}]
+    url, body = {
+        "openai_chat": (f"{s}/v1/chat/completions", {"model": "m", "messages": hi, "max_tokens": max_tokens}),
+        "openai_chat (max_completion_tokens)": (f"{s}/v1/chat/completions",
+                                                {"model": "m", "messages": hi, "max_completion_tokens": max_tokens}),
+        "openai_responses": (f"{s}/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": max_tokens}),
+        "anthropic_messages": (f"{s}/v1/messages", {"model": "m", "messages": hi, "max_tokens": max_tokens}),
+        "google_gemini": (f"{s}/v1beta/models/m:{'streamGenerateContent?alt=sse' if stream else 'generateContent'}",
+                          {"contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+                           "generationConfig": {"maxOutputTokens": max_tokens}}),
+    }[dialect]
+    if dialect != "google_gemini":
+        body["stream"] = stream
+    got = httpx.post(url, json=body, headers=agent.auth, timeout=30)
+    return got, got.json()["error"] if got.status_code != 200 else {}
+
+
+DIALECTS = ["openai_chat", "openai_chat (max_completion_tokens)", "openai_responses", "anthropic_messages",
+            "google_gemini"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_max_tokens_beyond_the_engine_context_is_400_in_each_dialect_and_never_recorded(
+        start: Callable[..., RunningProxy], hostile: HostileEngine, dialect: str, stream: bool) -> None:
+    hostile.faults.card = {"max_model_len": 4096}
+    agent = Agent(start())
+    for name, value in OVERSIZE_MAX_TOKENS.items():
+        got, error = _ask(agent, dialect, value, stream)
+        assert got.status_code == 400, (name, got.text)
+        assert f"{value} is more than the engine's 4096-token context" in error["message"]
+        if dialect == "google_gemini":
+            assert error["status"] == "INVALID_ARGUMENT" and error["code"] == 400
+        else:
+            assert error["type"] == "invalid_request_error"
+            assert (got.json().get("type") == "error") == (dialect == "anthropic_messages")
+    assert turns_of(agent.proxy, agent.session["id"]) == []
+    got, _ = _ask(agent, dialect, 4096, stream)  # the whole context is still a valid budget
+    assert got.status_code == 200, got.text
+    assert [t.sampling.max_tokens for t in turns_of(agent.proxy, agent.session["id"]) if t.sampling] == [4096]
+
+
+def test_max_tokens_beyond_any_context_is_400_when_the_engine_does_not_say_its_own(
+        start: Callable[..., RunningProxy]) -> None:
+    agent = Agent(start())
+    for value in (2**31, 10**12, 2**70):
+        got = agent.chat(MESSAGES, max_tokens=value)
+        assert got.status_code == 400 and f"{value} is more than 2147483647 tokens" in got.json()["error"]["message"]
+    assert turns_of(agent.proxy, agent.session["id"]) == []
+    assert agent.chat(MESSAGES, max_tokens=100_000).status_code == 200
+
+
 # ------------------------------------------------------------------------------- lower: engine faults
 
 
