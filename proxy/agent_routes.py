@@ -23,7 +23,7 @@ from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
-from proxy.limits import read_body
+from proxy.limits import log_left, read_body
 from proxy.live import AnswerHead, Finished, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
 from proxy.openai_chat_stream import ChatStream
 from proxy.openai_responses_stream import ResponsesStream
@@ -99,6 +99,13 @@ class AgentRoutes:
         self.engine = engine
         self.pipeline = pipeline
         self.responses_memory = openai_responses.ResponseMemory()
+        self.captures: set[asyncio.Future[Any]] = set()  # calls at the engine, some outliving their agents
+
+    async def cancel_captures(self) -> None:
+        """At shutdown: end the calls still at the engine (their agents have left; the engine client is closed)."""
+        for capture in list(self.captures):
+            capture.cancel()
+        await asyncio.gather(*self.captures, return_exceptions=True)
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         for prefix in ("/s/{sid}", ""):
@@ -233,14 +240,16 @@ class AgentRoutes:
             return await self._reply(request, call, renderer, answer, None, session)
 
         def done(task: asyncio.Future) -> None:
+            self.captures.discard(task)
             if task.cancelled() or task.exception() is not None:
                 session.release()
             gate.leave()
 
         if call.stream:
             return await self._stream(request, session, call, harness, renderer, answer_id, answered, done)
-        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness, answer_id))  # runs on if the
-        capture.add_done_callback(done)  # agent leaves
+        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness, answer_id))
+        self.captures.add(capture)  # it runs on if the agent leaves
+        capture.add_done_callback(done)
         answer, node_id = await capture
         if answered:
             answered(answer)
@@ -262,6 +271,7 @@ class AgentRoutes:
                 raise
 
         capture = asyncio.ensure_future(run())
+        self.captures.add(capture)
         capture.add_done_callback(done)
         response: web.StreamResponse | None = None
         writer: LiveStream | None = None
@@ -295,6 +305,7 @@ class AgentRoutes:
                         await _write(response, writer.finish(event.answer))
                         await response.write_eof()
                     except ConnectionResetError:
+                        log_left(request)
                         if event.node_id is not None:
                             session.mark_undelivered(event.node_id)
                     return response
@@ -302,7 +313,8 @@ class AgentRoutes:
             left.set()  # the capture cuts the generation short; the turn it records was never delivered
             capture.add_done_callback(lambda _: _undelivered(events, session))
             if response is None:
-                raise
+                raise  # the middleware says the agent left
+            log_left(request)
             return response
 
     async def _next_event(self, request: web.Request, events: asyncio.Queue[StreamEvent | Exception],
@@ -345,6 +357,7 @@ class AgentRoutes:
                 await response.write(payload)
             await response.write_eof()
         except ConnectionResetError:
+            log_left(request)
             if node_id is not None:
                 session.mark_undelivered(node_id)
         except asyncio.CancelledError:

@@ -13,6 +13,7 @@ that both the OpenAI and the Anthropic SDKs parse, not as aiohttp's plain text.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from proxy.errors import ProxyError, error_body
 
+log = logging.getLogger("harness_rl.proxy")
 LINGER_S = 1.0  # after an early error, how long the rest of an unread request body is drained before closing
 RETRY_AFTER_S = "1"
 _ENCODER = msgspec.json.Encoder()
@@ -114,7 +116,9 @@ class RequestHandler(web.RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was already under way; the connection is dropped")
-        if status >= 500:
+        if isinstance(exc, ConnectionError) and client_left(request):
+            log_left(request)
+        elif status >= 500:
             self.log_exception("proxy failure on a request from %s", request.remote, exc_info=exc)
         else:  # a client's malformed request: its own business, and cheap to send in bulk
             self.log_debug("malformed request from %s: %s", request.remote, message or exc)
@@ -123,6 +127,16 @@ class RequestHandler(web.RequestHandler):
                                 content_type="application/json")
         response.force_close()
         return response
+
+
+def client_left(request: web.BaseRequest) -> bool:
+    """Whether the client's connection is gone (so a ConnectionError is its leaving, not a proxy fault)."""
+    return request.transport is None or request.transport.is_closing()
+
+
+def log_left(request: web.BaseRequest) -> None:
+    """One line, no traceback: a client leaving before its answer is its own business, not a proxy failure."""
+    log.info("client %s left before the answer to %s %s was sent", request.remote, request.method, request.path)
 
 
 def either_error_body(status: int, message: str) -> dict[str, Any]:
@@ -145,8 +159,11 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
 async def send_and_close(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """Send an error and close its connection at once (no draining of a body that may never come)."""
     response.force_close()
-    await response.prepare(request)
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        log_left(request)
     protocol = request.protocol
     if isinstance(protocol, web.RequestHandler):
         protocol.force_close()

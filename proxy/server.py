@@ -21,7 +21,7 @@ from proxy.agent_routes import AgentRoutes
 from proxy.config import ProxyConfig
 from proxy.control_routes import ControlRoutes
 from proxy.errors import Dialect, ProxyError, error_body
-from proxy.limits import LINGER_S, ConnectionGuard, RequestHandler, send_and_close
+from proxy.limits import LINGER_S, ConnectionGuard, RequestHandler, client_left, log_left, send_and_close
 from proxy.pipeline import CapturePipeline
 from proxy.recovery import recover_store
 from proxy.session import SessionRegistry
@@ -92,6 +92,9 @@ class Proxy:
             message = f"{exc.reason}: {request.method} {request.path}"
             return error_response(dialect_of(request), ProxyError(exc.status, message))
         except Exception as exc:
+            if isinstance(exc, ConnectionError) and client_left(request):
+                log_left(request)  # one line: a client leaving is no proxy failure
+                return web.Response(status=499)  # never sent: no one is there to read it
             log.exception("proxy failure on %s %s", request.method, request.path)
             return error_response(dialect_of(request), ProxyError(500, f"proxy failure: {exc!r}"))
 
@@ -127,6 +130,7 @@ class RunningProxy:
     async def stop(self) -> None:
         self.server.close()
         await self.runner.cleanup()
+        await self.proxy.agents.cancel_captures()
 
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:

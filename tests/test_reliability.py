@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import math
 import os
 import signal
@@ -722,6 +723,56 @@ def test_max_tokens_beyond_any_context_is_400_when_the_engine_does_not_say_its_o
         assert got.status_code == 400 and f"{value} is more than 2147483647 tokens" in got.json()["error"]["message"]
     assert turns_of(agent.proxy, agent.session["id"]) == []
     assert agent.chat(MESSAGES, max_tokens=100_000).status_code == 200
+
+
+# ------------------------------------------------------------------------------- lower: clients that leave
+
+
+def _leave(agent: Agent, stream: bool, after: bytes | float, reset: bool) -> None:
+    """Send one chat call on a raw socket and leave: once `after` has arrived, or after `after` seconds."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "talk"}], "stream": stream}).encode()
+    sock = _connect(agent.proxy.url)
+    sock.sendall(f"POST /s/{agent.session['id']}/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 f"application/json\r\nAuthorization: Bearer {agent.session['key']}\r\nContent-Length: "
+                 f"{len(body)}\r\n\r\n".encode() + body)
+    if isinstance(after, bytes):
+        got = b""
+        while after not in got:
+            got += sock.recv(65536)
+    else:
+        time.sleep(after)
+    if reset:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+    sock.close()
+
+
+@pytest.mark.parametrize(("stream", "after", "reset"), [
+    (True, 0.3, False), (True, b"data: {", False), (True, b"data: {", True), (False, 0.3, False), (False, 0.3, True),
+], ids=["before the stream opened", "mid-stream", "mid-stream, reset", "whole", "whole, reset"])
+def test_an_agent_that_leaves_is_one_line_not_a_proxy_failure(
+        start: Callable[..., RunningProxy], hostile: HostileEngine, caplog: pytest.LogCaptureFixture,
+        stream: bool, after: bytes | float, reset: bool) -> None:
+    caplog.set_level(logging.INFO, logger="harness_rl.proxy")
+    agent = Agent(start())
+    hostile.faults.delay_s = 1.0  # every engine call: the agent leaves while the proxy waits for the engine
+    caplog.clear()
+    _leave(agent, stream, after, reset)
+    deadline = time.monotonic() + 10
+    while not any("left" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # anything logged after the line would show now
+    proxy_lines = [r for r in caplog.records if r.threadName == "harness-rl-proxy"]  # not the engine's own
+    assert [(r.levelno, r.getMessage()) for r in proxy_lines] == [
+        (logging.INFO, f"client 127.0.0.1 left before the answer to POST /s/{agent.session['id']}"
+                       "/v1/chat/completions was sent")]
+    while httpx.get(f"{agent.proxy.url}/health").json()["in_flight"] and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    hostile.faults.delay_s = 0.0
+    turns = turns_of(agent.proxy, agent.session["id"])
+    left_early = stream and not isinstance(after, bytes)  # maybe before the engine sampled a token: no turn
+    assert len(turns) <= 1 if left_early else len(turns) == 1
+    assert all(not t.delivered and set(t.completion_mask) == {0} for t in turns)  # never trained on
+    assert agent.chat(MESSAGES).status_code == 200
 
 
 # ------------------------------------------------------------------------------- lower: engine faults
