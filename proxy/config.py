@@ -67,9 +67,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vocab_size: Annotated[AtLeastOne | None, _meta("the engine's vocabulary size: sampled or prompt ids at or above "
                                                    "it are refused (502); none: what the engine's /v1/models says, "
                                                    "if it does")] = None
-    max_chain: Annotated[AtLeastOne | None, _meta("store a turn whole after this many delta-encoded turns in a row, "
-                                                  "so one damaged log line costs at most this many later turns; "
-                                                  "none: no bound")] = 32
+    checkpoint_every: Annotated[AtLeastOne | None, _meta(
+        "log a turn whole, not as a delta, once this many turns rest on one whole turn (in a linear session, every "
+        "Nth turn), so a damaged or missing log line costs at most this many turns; none: deltas only (smallest "
+        "logs, no bound)")] = 8
     keepalive_s: Annotated[Positive, _meta("a streaming agent waiting this long gets SSE keep-alive comments",
                                            flag=None)] = 10.0
     stream_read_s: Annotated[Positive, _meta("a streaming agent's text is read from the engine's parsers at most "

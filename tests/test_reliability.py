@@ -218,7 +218,7 @@ def test_1_model_name_is_asked_until_the_engine_serves(tmp_path: Path) -> None:
 
 @dataclass
 class Stored:
-    """A stopped proxy's store holding one 10-turn linear session, stored with max_chain 3."""
+    """A stopped proxy's store holding one 10-turn linear session, a whole turn every 4 (checkpoint_every=4)."""
 
     config: ProxyConfig
     session_id: str
@@ -239,7 +239,7 @@ class Stored:
 @pytest.fixture
 def stored(hostile_server: tuple[HostileEngine, str], hostile: HostileEngine, tmp_path: Path) -> Stored:
     config = ProxyConfig(upstream=hostile_server[1], store_dir=str(tmp_path / "store"), admin_token="admin",
-                         max_chain=3)
+                         checkpoint_every=4)
     with serve_proxy(config) as proxy:
         agent = Agent(proxy)
         converse(agent, 10)
@@ -253,7 +253,7 @@ def test_chains_are_bounded_by_whole_records(stored: Stored) -> None:
 
     lines = stored.log.read_bytes().splitlines()[1:]
     bases = [decode_turn(line).base for line in lines]
-    assert [i for i, base in enumerate(bases) if base is None] == [0, 4, 8]  # three deltas in a row at most
+    assert [i for i, base in enumerate(bases) if base is None] == [0, 4, 8]  # four turns rest on each
 
 
 def test_2_a_damaged_middle_line_is_quarantined_and_nothing_good_is_lost(stored: Stored) -> None:
@@ -317,15 +317,32 @@ def test_4_a_missing_line_never_makes_the_trace_fail(stored: Stored) -> None:
         assert recovery(proxy)["lost_turns"] == 2 and recovery(proxy)["quarantined_lines"] == 0
 
 
-def test_one_missing_line_costs_at_most_max_chain_turns(stored: Stored) -> None:
+def test_one_missing_line_costs_at_most_checkpoint_every_turns(stored: Stored) -> None:
     original = stored.log.read_bytes().splitlines(keepends=True)
     for gone in range(1, 11):
         stored.log.write_bytes(b"".join(original[:gone] + original[gone + 1:]))
         with serve_proxy(stored.config) as proxy:
             turns = turns_of(proxy, stored.session_id)
-        assert 10 - 1 - 3 <= len(turns) <= 9
+        assert 10 - 4 <= len(turns) <= 9
         by_id = {t.node_id: exact(t) for t in stored.turns}
         assert all(exact(t) == by_id[t.node_id] for t in turns)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_lost_session_line_keeps_every_turn_in_a_closed_stand_in(stored: Stored, damage: str) -> None:
+    stored.rewrite(lambda lines: [b'{"kind":"session","id":\0\n'] * (damage == "corrupt") + lines[1:])
+    with serve_proxy(stored.config) as proxy:
+        assert recovery(proxy) == {"sessions": 1, "turns": 10, "lost_turns": 0,
+                                   "quarantined_lines": int(damage == "corrupt"), "duplicate_lines": 0,
+                                   "unreadable_files": 0}
+        assert [exact(t) for t in turns_of(proxy, stored.session_id)] == [exact(t) for t in stored.turns]
+        summary = httpx.get(f"{proxy.url}/sessions/{stored.session_id}", headers=ADMIN).json()
+        assert summary["closed"] and "damaged or missing" in summary["metadata"]["session_line"]
+        before = stored.log.read_bytes()
+        assert httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT,
+                          headers={"x-api-key": stored.key}).status_code == 401  # its key is gone with the line
+        assert httpx.post(f"{proxy.url}/sessions/{stored.session_id}/close", headers=ADMIN).status_code == 200
+    assert stored.log.read_bytes() == before  # nothing is appended to a log without its session line
 
 
 def test_5_a_logged_turn_with_an_impossible_logprob_is_quarantined(stored: Stored) -> None:
