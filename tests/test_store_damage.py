@@ -24,7 +24,7 @@ from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
 from proxy.recovery import load_log
 
-BOUND = ProxyConfig().checkpoint_every
+BOUND = 8  # ProxyConfig's default checkpoint_every
 LENGTHS = (10, 19, 100)
 
 
@@ -83,7 +83,7 @@ def test_the_default_log_holds_a_whole_turn_every_checkpoint_every_turns(recorde
     from proxy.store import decode_turn
 
     whole = [i for i, line in enumerate(recorded[0][1:]) if decode_turn(line.rstrip(b"\n")).base is None]
-    assert BOUND == 8 and whole == list(range(0, 100, BOUND))
+    assert ProxyConfig().checkpoint_every == BOUND and whole == list(range(0, 100, BOUND))
 
 
 @pytest.mark.parametrize("length", LENGTHS)
