@@ -21,6 +21,7 @@ from proxy import anthropic, gemini, openai_chat, openai_responses
 from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGuard
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
 from proxy.limits import log_left, read_body
@@ -93,8 +94,9 @@ def harness_headers(request: web.Request, user: str | None) -> dict[str, str]:
 
 class AgentRoutes:
     def __init__(self, config: ProxyConfig, registry: SessionRegistry, engine: EngineClient,
-                 pipeline: CapturePipeline) -> None:
+                 pipeline: CapturePipeline, guard: ConnectionGuard) -> None:
         self.config = config
+        self.guard = guard
         self.registry = registry
         self.engine = engine
         self.pipeline = pipeline
@@ -137,6 +139,7 @@ class AgentRoutes:
             if found is None:
                 raise ProxyError(401, "unknown API key: not a session key of this proxy")
             session = found
+        self.guard.identify(request.transport, f"session {session.id}")
         if session.closed:
             raise ProxyError(409, f"session {session.id} is closed")
         return session

@@ -19,9 +19,10 @@ from aiohttp import web
 
 from proxy.agent_routes import AgentRoutes
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGuard
 from proxy.control_routes import ControlRoutes
 from proxy.errors import Dialect, ProxyError, error_body
-from proxy.limits import LINGER_S, ConnectionGuard, RequestHandler, client_left, log_left, send_and_close
+from proxy.limits import LINGER_S, RequestHandler, client_left, log_left, send_and_close
 from proxy.pipeline import CapturePipeline
 from proxy.recovery import recover_store
 from proxy.session import SessionRegistry
@@ -46,7 +47,7 @@ class Proxy:
         self.pipeline = CapturePipeline(config, self.engine)
         self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self._base_url,
                                      self.guard)
-        self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline)
+        self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline, self.guard)
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
@@ -75,9 +76,6 @@ class Proxy:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            refused = self.guard.refusal(request.transport)
-            if refused is not None:
-                raise refused
             return await handler(request)
         except ProxyError as exc:
             response = error_response(dialect_of(request), exc)
@@ -98,6 +96,8 @@ class Proxy:
                 return web.Response(status=499)  # never sent: no one is there to read it
             log.exception("proxy failure on %s %s", request.method, request.path)
             return error_response(dialect_of(request), ProxyError(500, f"proxy failure: {exc!r}"))
+        finally:
+            self.guard.finished(request.transport)
 
 
 def dialect_of(request: web.Request) -> Dialect:
