@@ -6,14 +6,14 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
   damaged stores the log of one 100-turn session, cut to 10, 19 and 100 turns (logs are append-only),
                  damaged four ways (its torn last line; each line in turn corrupt, duplicated or
                  missing) and read back by the proxy's own recovery (proxy.recovery.load_log): the
-                 turns lost per damaged line (max, median, mean) with the default --checkpoint-every 8
-                 beside the same session logged as deltas only (--checkpoint-every none), and whether
+                 turns lost per damaged line (max, median, mean) with the default --whole-turn-every 8
+                 beside the same session logged as deltas only (--whole-turn-every none), and whether
                  every turn served is exact. Then end to end: a restarted proxy on a 19-turn log whose
                  worst line (a whole turn) is damaged each way: trace status, turns served, lost /
                  quarantined / duplicate counts, whether the file was left as it was, the other
                  session intact
   chain cost     bytes per turn of a 50- and a 200-turn agent session (12 KB system prompt, 2 KB tool
-                 output per step) for --checkpoint-every none, 32, 16, 8, 4
+                 output per step) for --whole-turn-every none, 32, 16, 8, 4
 
 Run: `.venv/bin/python benchmarks/store_bench.py` (about three minutes on a 2-core machine).
 """
@@ -99,12 +99,12 @@ def _costs(log_lines: list[bytes], served: list[dict[str, Any]], damage: str, le
 
 async def damaged_stores(engine: str, work: Path) -> None:
     """Every line of 10-, 19- and 100-turn session logs damaged in turn, read back by the proxy's recovery."""
-    bound = ProxyConfig().checkpoint_every
+    bound = ProxyConfig().whole_turn_every
     print(f"\ndamaged stores: each line of a session log damaged in turn, read back by proxy.recovery; "
-          f"--checkpoint-every {bound} (the default) beside none (deltas only)  [{load()}]")
+          f"--whole-turn-every {bound} (the default) beside none (deltas only)  [{load()}]")
     logs = {}
     for setting in ("none", str(bound)):
-        proxy = ProxyProcess(engine, work / f"damage-store-{setting}", ["--checkpoint-every", setting])
+        proxy = ProxyProcess(engine, work / f"damage-store-{setting}", ["--whole-turn-every", setting])
         proxy.start()
         session_id, served = await _record(proxy, max(LENGTHS))
         other = await _record(proxy, 5)  # beside it: it must come back intact whatever the damage
@@ -161,10 +161,10 @@ async def _restarted(recorded: ProxyProcess, victim: str, served: list[dict[str,
 
 async def chain_cost(engine: str, work: Path) -> None:
     print(f"\nwhat the damage bound costs on disk (bytes per turn of one session's log)  [{load()}]")
-    print(f"  {'--checkpoint-every':>18} {'50 turns':>10} {'200 turns':>10} {'x none (50)':>11} {'x none (200)':>12}")
+    print(f"  {'--whole-turn-every':>18} {'50 turns':>10} {'200 turns':>10} {'x none (50)':>11} {'x none (200)':>12}")
     unbounded: dict[int, float] = {}
     for k in ("none", "32", "16", "8", "4"):
-        proxy = ProxyProcess(engine, work / f"chain-{k}", ["--checkpoint-every", k])
+        proxy = ProxyProcess(engine, work / f"chain-{k}", ["--whole-turn-every", k])
         proxy.start()
         sizes = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:

@@ -60,14 +60,16 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                 "connection is closed")] = 30.0
     body_timeout_s: Annotated[Positive, _meta("a request body must arrive within this many seconds (else 408, "
                                               "connection closed)")] = 60.0
-    max_connections: Annotated[AtLeastOne, _meta("open client connections in all; requests on any beyond are "
-                                                 "answered 503")] = 4096
-    max_connections_per_client: Annotated[AtLeastOne, _meta("open connections from one client address; requests "
-                                                            "on any beyond are answered 503")] = 1024
+    max_connections: Annotated[AtLeastOne, _meta("open client connections in all; one beyond closes the oldest "
+                                                 "idle one no key owns, else it is closed at accept")] = 4096
+    max_connections_per_client: Annotated[AtLeastOne, _meta(
+        "open connections per client: per session key, per admin token, and per address for connections whose "
+        "requests have shown no key yet; one more from an address closes its oldest idle one, else it is closed "
+        "at accept; a request beyond a key's budget is answered 503")] = 1024
     vocab_size: Annotated[AtLeastOne | None, _meta("the engine's vocabulary size: sampled or prompt ids at or above "
                                                    "it are refused (502); none: what the engine's /v1/models says, "
                                                    "if it does")] = None
-    checkpoint_every: Annotated[AtLeastOne | None, _meta(
+    whole_turn_every: Annotated[AtLeastOne | None, _meta(
         "log a turn whole, not as a delta, once this many turns rest on one whole turn (in a linear session, every "
         "Nth turn), so a damaged or missing log line costs at most this many turns; none: deltas only (smallest "
         "logs, no bound)")] = 8

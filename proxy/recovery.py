@@ -37,7 +37,7 @@ class LoadedLog:
     stand_in: bool = False  # the session line was damaged or missing: the session is a closed stand-in
 
 
-def load_log(path: Path, *, fsync: bool = False, checkpoint_every: int | None = None) -> LoadedLog:
+def load_log(path: Path, *, fsync: bool = False, whole_turn_every: int | None = None) -> LoadedLog:
     """Rebuild a session from its log without writing anything; damaged and lost lines are reported."""
     scan = scan_log(path)
     loaded = LoadedLog(None, scan.damaged, duplicates=scan.duplicates, ends_clean=scan.ends_clean)
@@ -50,7 +50,7 @@ def load_log(path: Path, *, fsync: bool = False, checkpoint_every: int | None = 
         loaded.lost = [f"{path.name} has no session line first" for line, _, _ in lines
                        if isinstance(line, StoredTurn)]
         return loaded
-    session = loaded.session = Session(opened, SessionLog(path, fsync=fsync), checkpoint_every=checkpoint_every)
+    session = loaded.session = Session(opened, SessionLog(path, fsync=fsync), whole_turn_every=whole_turn_every)
     for line, raw, offset in lines:
         problem = session.replay(line, raw)
         if problem is None:
@@ -95,7 +95,7 @@ def recover_store(registry: SessionRegistry) -> Recovery:
 
 def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> None:
     """Recover one log; a file that is not a session's own log is left untouched (its turns count lost)."""
-    loaded = load_log(path, fsync=registry.fsync, checkpoint_every=registry.checkpoint_every)
+    loaded = load_log(path, fsync=registry.fsync, whole_turn_every=registry.whole_turn_every)
     session = loaded.session
     if session is None or session.id in registry.by_id:
         totals.lost_turns += len(loaded.lost) + (len(session.turns) if session is not None else 0)

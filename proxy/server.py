@@ -38,7 +38,7 @@ class Proxy:
         self.config = config
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
         self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync,
-                                        checkpoint_every=config.checkpoint_every)
+                                        whole_turn_every=config.whole_turn_every)
         self.engine = EngineClient(config.upstream, timeout_s=config.request_timeout_s, retries=config.retries,
                                    model=config.upstream_model, max_reply_bytes=int(config.max_reply_mb * 2**20),
                                    vocab_size=config.vocab_size)

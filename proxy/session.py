@@ -5,9 +5,9 @@ capture graph's new tokens, so a long rollout costs memory in proportion to what
 `TrainingTrace`s are built on demand when the trace is fetched.
 
 What a damaged line costs is bounded: every turn written as a delta rests on a turn written whole
-(its anchor), and once `checkpoint_every` turns rest on one anchor the next is written whole instead
-(memory keeps its delta). A linear session thus stores a whole turn every `checkpoint_every` turns,
-and a damaged or missing log line costs at most `checkpoint_every` turns, however long the session.
+(its anchor), and once `whole_turn_every` turns rest on one anchor the next is written whole instead
+(memory keeps its delta). A linear session thus stores a whole turn every `whole_turn_every` turns,
+and a damaged or missing log line costs at most `whole_turn_every` turns, however long the session.
 Recovery (`proxy.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
 missing line; a turn that cannot be rebuilt exactly is counted lost and left out, never guessed.
 Once a session is closed or deleted nothing more is written: a call still in flight then is
@@ -87,10 +87,10 @@ class TurnCapture:
 
 
 class Session:
-    def __init__(self, opened: SessionOpened, log: SessionLog, *, checkpoint_every: int | None = None) -> None:
+    def __init__(self, opened: SessionOpened, log: SessionLog, *, whole_turn_every: int | None = None) -> None:
         self.opened = opened
         self.log = log
-        self.checkpoint_every = checkpoint_every
+        self.whole_turn_every = whole_turn_every
         self.graph = CaptureGraph()
         self.turns: dict[str, CapturedTurn] = {}
         self.resting: dict[str, int] = {}  # per anchor: the logged turns resting on it, itself included
@@ -182,7 +182,7 @@ class Session:
         (or it rests on nothing); then the turn itself, to be logged whole."""
         depends = stored.base and (stored.shared or stored.messages_prefix or stored.tools_inherited)
         anchor = self.turns[stored.base].anchor if depends and stored.base else node_id
-        if anchor != node_id and self.checkpoint_every is not None and self.resting[anchor] >= self.checkpoint_every:
+        if anchor != node_id and self.whole_turn_every is not None and self.resting[anchor] >= self.whole_turn_every:
             anchor = node_id
         self.resting[anchor] = self.resting.get(anchor, 0) + 1
         return anchor
@@ -328,10 +328,10 @@ class SessionRegistry:
     The store is private to its owner (0700, files 0600).
     """
 
-    def __init__(self, store_dir: Path, *, fsync: bool = False, checkpoint_every: int | None = None) -> None:
+    def __init__(self, store_dir: Path, *, fsync: bool = False, whole_turn_every: int | None = None) -> None:
         self.store_dir = private_dir(store_dir)
         self.fsync = fsync
-        self.checkpoint_every = checkpoint_every
+        self.whole_turn_every = whole_turn_every
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}  # by key digest
         self.recovery = Recovery()
@@ -343,7 +343,7 @@ class SessionRegistry:
         opened = SessionOpened(id="s" + secrets.token_hex(12), key_sha256=key_digest(key), created_at=time.time(),
                                metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn)
         session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync),
-                          checkpoint_every=self.checkpoint_every)
+                          whole_turn_every=self.whole_turn_every)
         session.log.append(encode_line(opened))
         self.add(session)
         return session, key

@@ -219,7 +219,7 @@ def test_1_model_name_is_asked_until_the_engine_serves(tmp_path: Path) -> None:
 
 @dataclass
 class Stored:
-    """A stopped proxy's store holding one 10-turn linear session, a whole turn every 4 (checkpoint_every=4)."""
+    """A stopped proxy's store holding one 10-turn linear session, a whole turn every 4 (whole_turn_every=4)."""
 
     config: ProxyConfig
     session_id: str
@@ -240,7 +240,7 @@ class Stored:
 @pytest.fixture
 def stored(hostile_server: tuple[HostileEngine, str], hostile: HostileEngine, tmp_path: Path) -> Stored:
     config = ProxyConfig(upstream=hostile_server[1], store_dir=str(tmp_path / "store"), admin_token="admin",
-                         checkpoint_every=4)
+                         whole_turn_every=4)
     with serve_proxy(config) as proxy:
         agent = Agent(proxy)
         converse(agent, 10)
@@ -318,7 +318,7 @@ def test_4_a_missing_line_never_makes_the_trace_fail(stored: Stored) -> None:
         assert recovery(proxy)["lost_turns"] == 2 and recovery(proxy)["quarantined_lines"] == 0
 
 
-def test_one_missing_line_costs_at_most_checkpoint_every_turns(stored: Stored) -> None:
+def test_one_missing_line_costs_at_most_whole_turn_every_turns(stored: Stored) -> None:
     original = stored.log.read_bytes().splitlines(keepends=True)
     for gone in range(1, 11):
         stored.log.write_bytes(b"".join(original[:gone] + original[gone + 1:]))

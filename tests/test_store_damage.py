@@ -4,7 +4,7 @@ A 100-turn session is recorded through a real proxy (the fake engine behind it);
 n + 1 lines are the log of the same session after n turns (logs are append-only). Each log is damaged
 one line at a time in each way a disk or a crash damages it, and read back by the proxy's own recovery
 (`proxy.recovery.load_log`). Every turn served must be exactly the recorded one, and the turns lost to
-one damaged line at most `checkpoint_every` (the default, 8), whatever the session's length. The
+one damaged line at most `whole_turn_every` (the default, 8), whatever the session's length. The
 figures of the same measurement are printed by `benchmarks/chaos_bench.py --only damage`.
 """
 
@@ -24,7 +24,7 @@ from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
 from proxy.recovery import load_log
 
-BOUND = 8  # ProxyConfig's default checkpoint_every
+BOUND = 8  # ProxyConfig's default whole_turn_every
 LENGTHS = (10, 19, 100)
 
 
@@ -78,12 +78,12 @@ def _exact(turn: Turn) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(turn, parent_id=None))
 
 
-def test_the_default_log_holds_a_whole_turn_every_checkpoint_every_turns(recorded: tuple[list[bytes], list[Turn]]) \
+def test_the_default_log_holds_a_whole_turn_every_whole_turn_every_turns(recorded: tuple[list[bytes], list[Turn]]) \
         -> None:
     from proxy.store import decode_turn
 
     whole = [i for i, line in enumerate(recorded[0][1:]) if decode_turn(line.rstrip(b"\n")).base is None]
-    assert ProxyConfig().checkpoint_every == BOUND and whole == list(range(0, 100, BOUND))
+    assert ProxyConfig().whole_turn_every == BOUND and whole == list(range(0, 100, BOUND))
 
 
 @pytest.mark.parametrize("length", LENGTHS)
