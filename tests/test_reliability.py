@@ -519,9 +519,10 @@ def test_6_a_connection_beyond_the_total_with_none_idle_is_closed_at_accept(
 
 def test_6_a_thousand_stalled_connections_from_one_address_leave_everyone_else_served(
         start: Callable[..., RunningProxy]) -> None:
-    """The mechanism of the 20,000-connection run of `benchmarks/chaos_bench.py --only flood`, at 1,000
-    connections (15 times the budget of 64 here: each one beyond it makes room at accept, the same way
-    at any count) opened from this process between the calls of another session and of the trainer."""
+    """The mechanism of `benchmarks/flood_bench.py`'s 20,000 connections, at 1,000: 15 times the budget of 64
+    here, and each one beyond it makes room at accept the same way at any count (this process's own open-file
+    limit and a test's time keep it smaller); opened from this process between the calls of another session
+    and of the trainer, which all answer 200/201."""
     proxy = start(max_connections_per_client=64)
     agent = Agent(proxy)
     held: list[socket.socket] = []
