@@ -1,11 +1,12 @@
-"""Read timeouts and the connection's own errors: a slow or stalled client never starves the others.
+"""Read timeouts and a connection's own errors: a slow, stalled or departed client never starves the others.
 
-(How many connections each client may hold: `proxy.connections`.) A client that has not sent a request's line
-and headers `header_timeout_s` after connecting or after its previous answer is disconnected
-(aiohttp's keep-alive timer runs from exactly those moments and covers a half-sent request); a body
-that has not arrived `body_timeout_s` after its headers is answered 408 and its connection closed.
-Errors the HTTP parser answers itself (an oversize request line, bad headers) come back as JSON
-that both the OpenAI and the Anthropic SDKs parse, not as aiohttp's plain text.
+A client that has not sent a request's line and headers `header_timeout_s` after connecting or after
+its previous answer is disconnected (aiohttp's keep-alive timer runs from exactly those moments and
+covers a half-sent request); a body that has not arrived `body_timeout_s` after its headers is
+answered 408 and its connection closed. Errors the HTTP parser answers itself (an oversize request
+line, bad headers) come back as JSON that both the OpenAI and the Anthropic SDKs parse, not as
+aiohttp's plain text. A client that leaves before its answer is one log line, never a proxy failure.
+How many connections each client may hold: `proxy.connections`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ class RequestHandler(web.RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was already under way; the connection is dropped")
-        if isinstance(exc, ConnectionError) and client_left(request):
-            log_left(request)
-        elif status >= 500:
+        if status >= 500:
             self.log_exception("proxy failure on a request from %s", request.remote, exc_info=exc)
         else:  # a client's malformed request: its own business, and cheap to send in bulk
             self.log_debug("malformed request from %s: %s", request.remote, message or exc)
