@@ -78,8 +78,7 @@ def _exact(turn: Turn) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(turn, parent_id=None))
 
 
-def test_the_default_log_holds_a_whole_turn_every_whole_turn_every_turns(recorded: tuple[list[bytes], list[Turn]]) \
-        -> None:
+def test_the_default_log_holds_every_eighth_turn_whole(recorded: tuple[list[bytes], list[Turn]]) -> None:
     from proxy.store import decode_turn
 
     whole = [i for i, line in enumerate(recorded[0][1:]) if decode_turn(line.rstrip(b"\n")).base is None]
