@@ -1,4 +1,4 @@
-"""Chaos for the proxy: kill -9 under load, damaged stores, stalled connections, and what bounded chains cost.
+"""Chaos for the proxy: kill -9 under load, and stalled connections (damaged stores: store_bench.py).
 
 Everything runs against `harness-rl serve proxy` processes in front of the fast fake engine
 (tests/fake_engine.py, its own process, answers in well under 1 ms; its chat route). Figures printed:
@@ -8,16 +8,10 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
                  agents had acknowledged so far, how many of those the restarted proxy serves exactly
                  (target: all), turns recorded but never acknowledged (the kill came between the write
                  and the reply), lost and quarantined counts from /health, and the restart time
-  damaged stores one 40-turn session (stored with --max-chain 8) beside a healthy one, damaged four ways
-                 (torn tail, corrupt middle line, duplicated line, missing line): trace status, turns
-                 served, whether each is exact, lost / quarantined / duplicate counts, whether the file
-                 was left as it was, and whether the other session is intact
   stalled        1,000 connections that stall (400 send nothing, 400 half a request head, 200 half a
                  body; from a process of their own) against --header-timeout-s 2 --body-timeout-s 2,
                  while 8 agents keep calling (50 ms between calls): when each stalled connection is
                  closed, and the agents' p50/p99 latency beside a run without stalls (3 repeats, medians)
-  chain cost     bytes per turn of a 50- and a 200-turn agent session (12 KB system prompt, 2 KB tool
-                 output per step) for --max-chain none, 64, 32, 16, 8
 
 Run: `.venv/bin/python benchmarks/chaos_bench.py` (about three minutes on a 2-core machine).
 """
@@ -30,7 +24,6 @@ import json
 import os
 import random
 import resource
-import shutil
 import signal
 import socket
 import statistics
@@ -231,83 +224,6 @@ async def kill_rounds(engine: str, work: Path, rounds: int, agents_n: int, rng: 
           f"{statistics.median(r for _, _, r in rows):.2f} s  [{load()}]")
 
 
-# ---------------------------------------------------------------------------------------- damaged stores
-
-
-def _lines(path: Path) -> list[bytes]:
-    return path.read_bytes().splitlines(keepends=True)
-
-
-def _torn(lines: list[bytes]) -> list[bytes]:
-    return [*lines[:-1], lines[-1][:len(lines[-1]) // 2]]
-
-
-def _corrupt(lines: list[bytes]) -> list[bytes]:
-    line = lines[21]
-    return [*lines[:21], line[:60] + b"\x00#corrupt#\x00" + line[72:], *lines[22:]]
-
-
-def _duplicate(lines: list[bytes]) -> list[bytes]:
-    return [*lines[:22], lines[21], *lines[22:]]
-
-
-def _missing(lines: list[bytes]) -> list[bytes]:
-    return [*lines[:21], *lines[22:]]
-
-
-DAMAGE: dict[str, Callable[[list[bytes]], list[bytes]]] = {
-    "torn tail (last line cut)": _torn, "corrupt middle (turn 20)": _corrupt,
-    "duplicated line (turn 20)": _duplicate, "missing line (turn 20)": _missing,
-}
-
-
-def _comparable(turn: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in turn.items() if k != "parent_id"}, sort_keys=True)
-
-
-async def damaged_stores(engine: str, work: Path) -> None:
-    print(f"\ndamaged stores: a 40-turn session (--max-chain 8) beside a healthy 5-turn one  [{load()}]")
-    store = work / "damage-store"
-    proxy = ProxyProcess(engine, store, ["--max-chain", "8"])
-    proxy.start()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        sessions = []
-        for turns in (40, 5):
-            info = await new_session(http, proxy.url)
-            messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
-            for i in range(turns):
-                content = await chat(http, info["openai_base_url"], info["key"], messages, stream=False)
-                messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"step {i}"}]
-            sessions.append((info["id"], (await fetch_trace(http, proxy.url, info["id"]))[1]["turns"]))
-    proxy.stop()
-    (victim, originals), (other, other_turns) = sessions
-    exact = {t["node_id"]: _comparable(t) for t in originals}
-    print(f"  {'damage':<27} {'trace':>5} {'served':>7} {'exact':>5} {'lost':>4} {'quarant.':>8} {'dupl.':>5} "
-          f"{'file':<22} {'other session':<13}")
-    for name, damage in DAMAGE.items():
-        copy = work / f"damaged-{len(name)}-{time.monotonic_ns()}"
-        shutil.copytree(store, copy)
-        log = copy / f"{victim}.jsonl"
-        damaged = b"".join(damage(_lines(log)))
-        log.write_bytes(damaged)
-        again = ProxyProcess(engine, copy, ["--max-chain", "8"])
-        again.start()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            status, trace = await fetch_trace(http, again.url, victim)
-            recovery = (await health(http, again.url))["recovery"]
-            _, other_trace = await fetch_trace(http, again.url, other)
-        again.stop()
-        served = trace.get("turns", [])
-        all_exact = all(exact.get(t["node_id"]) == _comparable(t) for t in served)
-        after = log.read_bytes()
-        file = "unchanged" if after == damaged else "+ newline (torn end)" if after == damaged + b"\n" else "REWRITTEN"
-        intact = "intact" if [_comparable(t) for t in other_trace["turns"]] == [_comparable(t)
-                                                                                 for t in other_turns] else "CHANGED"
-        print(f"  {name:<27} {status:>5} {len(served):>4}/40 {'yes' if all_exact else 'NO':>5} "
-              f"{recovery['lost_turns']:>4} {recovery['quarantined_lines']:>8} {recovery['duplicate_lines']:>5} "
-              f"{file:<22} {intact:<13}")
-
-
 # ---------------------------------------------------------------------------------------- stalled connections
 
 
@@ -405,41 +321,13 @@ async def stalled_connections(engine: str, work: Path, repeats: int) -> None:
           f"(target < 100 ms); p50 {med['stall p50']:.1f} vs {med['base p50']:.1f} ms  [{load()}]")
 
 
-# ---------------------------------------------------------------------------------------------- chain cost
-
-
-async def chain_cost(engine: str, work: Path) -> None:
-    print(f"\nwhat bounded chains cost on disk (bytes per turn of one session's log)  [{load()}]")
-    print(f"  {'--max-chain':>11} {'50 turns':>10} {'200 turns':>10} {'x none (50)':>11} {'x none (200)':>12}")
-    unbounded: dict[int, float] = {}
-    for k in ("none", "64", "32", "16", "8"):
-        proxy = ProxyProcess(engine, work / f"chain-{k}", ["--max-chain", k])
-        proxy.start()
-        sizes = {}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            for turns in (50, 200):
-                info = await new_session(http, proxy.url)
-                messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM * 180},
-                                                  {"role": "user", "content": "Fix it. " * 120}]
-                for i in range(turns):
-                    content = await chat(http, info["openai_base_url"], info["key"], messages, stream=False)
-                    messages += [{"role": "assistant", "content": content},
-                                 {"role": "user", "content": f"tool output {i}: " + "line of output text\n" * 100}]
-                sizes[turns] = (proxy.store / f"{info['id']}.jsonl").stat().st_size / turns
-        proxy.stop()
-        if k == "none":
-            unbounded = dict(sizes)
-        print(f"  {k:>11} {sizes[50]:>10,.0f} {sizes[200]:>10,.0f} {sizes[50] / unbounded[50]:>10.2f}x "
-              f"{sizes[200] / unbounded[200]:>11.2f}x")
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the stalled-connection run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=("kill", "damage", "stalled", "chain"), action="append",
+    parser.add_argument("--only", choices=("kill", "stalled"), action="append",
                         help="run only these sections (repeatable; default: all)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -449,15 +337,11 @@ async def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
             work = Path(tmp)
-            only = set(args.only or ("kill", "damage", "stalled", "chain"))
+            only = set(args.only or ("kill", "stalled"))
             if "kill" in only:
                 await kill_rounds(engine, work, args.rounds, args.agents, random.Random(args.seed))
-            if "damage" in only:
-                await damaged_stores(engine, work)
             if "stalled" in only:
                 await stalled_connections(engine, work, args.repeats)
-            if "chain" in only:
-                await chain_cost(engine, work)
     finally:
         engine_process.kill()
     print(f"\ndone  [{load()}]")

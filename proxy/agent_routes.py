@@ -21,13 +21,15 @@ from proxy import anthropic, gemini, openai_chat, openai_responses
 from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGuard
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
-from proxy.limits import read_body
+from proxy.limits import log_left, read_body
 from proxy.live import AnswerHead, Finished, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
 from proxy.openai_chat_stream import ChatStream
 from proxy.openai_responses_stream import ResponsesStream
 from proxy.pipeline import CapturePipeline, budget_answer
+from proxy.sampling import check_max_tokens
 from proxy.session import Session, SessionRegistry
 from proxy.streaming import capture_streamed
 from proxy.upstream import EngineClient
@@ -92,12 +94,20 @@ def harness_headers(request: web.Request, user: str | None) -> dict[str, str]:
 
 class AgentRoutes:
     def __init__(self, config: ProxyConfig, registry: SessionRegistry, engine: EngineClient,
-                 pipeline: CapturePipeline) -> None:
+                 pipeline: CapturePipeline, guard: ConnectionGuard) -> None:
         self.config = config
+        self.guard = guard
         self.registry = registry
         self.engine = engine
         self.pipeline = pipeline
         self.responses_memory = openai_responses.ResponseMemory()
+        self.captures: set[asyncio.Future[Any]] = set()  # calls at the engine, some outliving their agents
+
+    async def cancel_captures(self) -> None:
+        """At shutdown: end the calls still at the engine (their agents have left; the engine client is closed)."""
+        for capture in list(self.captures):
+            capture.cancel()
+        await asyncio.gather(*self.captures, return_exceptions=True)
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         for prefix in ("/s/{sid}", ""):
@@ -129,6 +139,7 @@ class AgentRoutes:
             if found is None:
                 raise ProxyError(401, "unknown API key: not a session key of this proxy")
             session = found
+        self.guard.identify(request.transport, f"session {session.id}")
         if session.closed:
             raise ProxyError(409, f"session {session.id} is closed")
         return session
@@ -218,6 +229,8 @@ class AgentRoutes:
                       answer_id: str | None = None,
                       answered: Callable[[Answer], None] | None = None) -> web.StreamResponse:
         """Capture the call and answer it, under the id its dialect refers back to (`answered` learns it)."""
+        await self.engine.served_model()  # learns the engine's context size once it serves
+        check_max_tokens(call, self.engine.max_model_len)
         renderer = RENDERERS[call.dialect]
         gate = self.pipeline.gate
         await gate.enter()
@@ -230,14 +243,16 @@ class AgentRoutes:
             return await self._reply(request, call, renderer, answer, None, session)
 
         def done(task: asyncio.Future) -> None:
+            self.captures.discard(task)
             if task.cancelled() or task.exception() is not None:
                 session.release()
             gate.leave()
 
         if call.stream:
             return await self._stream(request, session, call, harness, renderer, answer_id, answered, done)
-        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness, answer_id))  # runs on if the
-        capture.add_done_callback(done)  # agent leaves
+        capture = asyncio.ensure_future(self.pipeline.capture(session, call, harness, answer_id))
+        self.captures.add(capture)  # it runs on if the agent leaves
+        capture.add_done_callback(done)
         answer, node_id = await capture
         if answered:
             answered(answer)
@@ -259,6 +274,7 @@ class AgentRoutes:
                 raise
 
         capture = asyncio.ensure_future(run())
+        self.captures.add(capture)
         capture.add_done_callback(done)
         response: web.StreamResponse | None = None
         writer: LiveStream | None = None
@@ -292,6 +308,7 @@ class AgentRoutes:
                         await _write(response, writer.finish(event.answer))
                         await response.write_eof()
                     except ConnectionResetError:
+                        log_left(request)
                         if event.node_id is not None:
                             session.mark_undelivered(event.node_id)
                     return response
@@ -299,7 +316,8 @@ class AgentRoutes:
             left.set()  # the capture cuts the generation short; the turn it records was never delivered
             capture.add_done_callback(lambda _: _undelivered(events, session))
             if response is None:
-                raise
+                raise  # the middleware says the agent left
+            log_left(request)
             return response
 
     async def _next_event(self, request: web.Request, events: asyncio.Queue[StreamEvent | Exception],
@@ -342,6 +360,7 @@ class AgentRoutes:
                 await response.write(payload)
             await response.write_eof()
         except ConnectionResetError:
+            log_left(request)
             if node_id is not None:
                 session.mark_undelivered(node_id)
         except asyncio.CancelledError:

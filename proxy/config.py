@@ -48,16 +48,19 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                 "connection is closed")] = 30.0
     body_timeout_s: Annotated[Positive, setting("a request body must arrive within this many seconds (else 408, "
                                               "connection closed)")] = 60.0
-    max_connections: Annotated[AtLeastOne, setting("open client connections in all; requests on any beyond are "
-                                                 "answered 503")] = 4096
-    max_connections_per_client: Annotated[AtLeastOne, setting("open connections from one client address; requests "
-                                                            "on any beyond are answered 503")] = 1024
+    max_connections: Annotated[AtLeastOne, setting("open client connections in all; one beyond closes the oldest "
+                                                 "idle one no key owns, else it is closed at accept")] = 4096
+    max_connections_per_client: Annotated[AtLeastOne, setting(
+        "open connections per client: per session key, per admin token, and per address for connections whose "
+        "requests have shown no key yet; one more from an address closes its oldest idle one, else it is closed "
+        "at accept; a request beyond a key's budget is answered 503")] = 1024
     vocab_size: Annotated[AtLeastOne | None, setting("the engine's vocabulary size: sampled or prompt ids at or above "
                                                    "it are refused (502); none: what the engine's /v1/models says, "
                                                    "if it does")] = None
-    max_chain: Annotated[AtLeastOne | None, setting("store a turn whole after this many delta-encoded turns in a row, "
-                                                  "so one damaged log line costs at most this many later turns; "
-                                                  "none: no bound")] = 32
+    whole_turn_every: Annotated[AtLeastOne | None, setting(
+        "log a turn whole, not as a delta, once this many turns rest on one whole turn (in a linear session, every "
+        "Nth turn), so a damaged or missing log line costs at most this many turns; none: deltas only (smallest "
+        "logs, no bound)")] = 8
     keepalive_s: Annotated[Positive, setting("a streaming agent waiting this long gets SSE keep-alive comments",
                                            flag=None)] = 10.0
     stream_read_s: Annotated[Positive, setting("a streaming agent's text is read from the engine's parsers at most "

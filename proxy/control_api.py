@@ -76,6 +76,8 @@ class Health(msgspec.Struct, kw_only=True):
     upstream: str
     recovery: Recovery = msgspec.field(default_factory=Recovery)
     connections: int = 0
+    connections_refused: int = 0  # closed at accept: over a budget with no idle unknown connection to close
+    connections_evicted: int = 0  # idle connections no key owns, closed to make room for a new one
 
 
 class ErrorDetail(msgspec.Struct):

@@ -17,9 +17,10 @@ from aiohttp import web
 
 from harness_rl.trace import FORMATS, TraceFormat, TraceFormatError, TraceValidationError
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGuard
 from proxy.control_api import Deleted, Health, Paused, PolicyVersion, SessionCreate, SessionInfo, SessionList
 from proxy.errors import ProxyError
-from proxy.limits import ConnectionGuard, read_body
+from proxy.limits import read_body
 from proxy.pipeline import CapturePipeline
 from proxy.session import Session, SessionRegistry, TraceSnapshot
 
@@ -67,6 +68,7 @@ class ControlRoutes:
         presented = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(presented, f"Bearer {self.admin_token}".encode()):
             raise ProxyError(401, "the control API needs 'Authorization: Bearer <admin token>'")
+        self.guard.identify(request.transport, "admin")
 
     def _session(self, request: web.Request) -> Session:
         session = self.registry.by_id.get(request.match_info["sid"])
@@ -82,7 +84,8 @@ class ControlRoutes:
         return json_response(Health(status="ok", sessions=len(self.registry.by_id), paused=gate.paused,
                                     in_flight=gate.in_flight, policy_version=self.pipeline.announced_version,
                                     upstream=self.config.upstream, recovery=self.registry.recovery,
-                                    connections=self.guard.open))
+                                    connections=self.guard.open, connections_refused=self.guard.refused,
+                                    connections_evicted=self.guard.evicted))
 
     async def create_session(self, request: web.Request) -> web.Response:
         self._admin(request)

@@ -5,8 +5,10 @@ counted, its bytes kept under `STORE/quarantine/` and logged once (when first qu
 logged twice counts once; nothing is ever truncated (a torn last line is only ended with a newline,
 so the next append starts a line of its own). Every turn whose stored form does not depend on a
 damaged or missing line is rebuilt exactly; one that does is counted lost and left out, never
-guessed (`Session.replay`). A file that cannot be read at all is reported and skipped: one bad
-file never stops the proxy.
+guessed (`Session.replay`). A session whose own first line is damaged or missing keeps its turns:
+it comes back closed, under the id its file is named by, without its metadata, budget or key (a
+stand-in). A file that cannot be read at all is reported and skipped: one bad file never stops the
+proxy.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 
 from harness_rl.trace import StoredTurn, TrainingTrace
 from proxy.control_api import Recovery
-from proxy.session import Session, SessionRegistry
-from proxy.store import QUARANTINE, Damaged, SessionLog, SessionOpened, end_line, quarantine, scan_log
+from proxy.session import SESSION_ID, Session, SessionRegistry
+from proxy.store import QUARANTINE, Damaged, Line, SessionLog, SessionOpened, end_line, quarantine, scan_log
 
 log = logging.getLogger("harness_rl.proxy")
 
@@ -32,18 +34,24 @@ class LoadedLog:
     lost: list[str] = field(default_factory=list)  # reasons, one per logged turn that was not rebuilt
     duplicates: int = 0
     ends_clean: bool = True
+    stand_in: bool = False  # the session line was damaged or missing: the session is a closed stand-in
 
 
-def load_log(path: Path, *, fsync: bool = False, max_chain: int | None = None) -> LoadedLog:
+def load_log(path: Path, *, fsync: bool = False, whole_turn_every: int | None = None) -> LoadedLog:
     """Rebuild a session from its log without writing anything; damaged and lost lines are reported."""
     scan = scan_log(path)
     loaded = LoadedLog(None, scan.damaged, duplicates=scan.duplicates, ends_clean=scan.ends_clean)
-    if not scan.lines or not isinstance(scan.lines[0][0], SessionOpened):
-        loaded.lost = [f"{path.name} has no session line first" for line, _, _ in scan.lines
+    lines = scan.lines
+    if lines and isinstance(lines[0][0], SessionOpened):
+        opened, lines = lines[0][0], lines[1:]
+    elif SESSION_ID.fullmatch(path.stem) and any(isinstance(line, StoredTurn) for line, _, _ in lines):
+        opened, loaded.stand_in = _stand_in(path.stem, lines), True
+    else:
+        loaded.lost = [f"{path.name} has no session line first" for line, _, _ in lines
                        if isinstance(line, StoredTurn)]
         return loaded
-    session = loaded.session = Session(scan.lines[0][0], SessionLog(path, fsync=fsync), max_chain=max_chain)
-    for line, raw, offset in scan.lines[1:]:
+    session = loaded.session = Session(opened, SessionLog(path, fsync=fsync), whole_turn_every=whole_turn_every)
+    for line, raw, offset in lines:
         problem = session.replay(line, raw)
         if problem is None:
             continue
@@ -52,7 +60,17 @@ def load_log(path: Path, *, fsync: bool = False, max_chain: int | None = None) -
         if isinstance(line, StoredTurn):
             loaded.lost.append(problem.reason)
     loaded.damaged.sort(key=lambda d: d.offset)
+    if loaded.stand_in:
+        session.closed = True
+        session.log.seal()  # nothing is appended to a log without its session line
     return loaded
+
+
+def _stand_in(session_id: str, lines: list[tuple[Line, bytes, int]]) -> SessionOpened:
+    """The session line of a log whose own is lost: its id from the file name; no key ever matches."""
+    started = [line.started_at for line, _, _ in lines if isinstance(line, StoredTurn) and line.started_at]
+    return SessionOpened(id=session_id, key_sha256=f"lost:{session_id}", created_at=min(started, default=0.0),
+                         metadata={"session_line": "damaged or missing: metadata, budget and key unknown"})
 
 
 def trace_from_log(path: Path) -> TrainingTrace:
@@ -77,7 +95,7 @@ def recover_store(registry: SessionRegistry) -> Recovery:
 
 def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> None:
     """Recover one log; a file that is not a session's own log is left untouched (its turns count lost)."""
-    loaded = load_log(path, fsync=registry.fsync, max_chain=registry.max_chain)
+    loaded = load_log(path, fsync=registry.fsync, whole_turn_every=registry.whole_turn_every)
     session = loaded.session
     if session is None or session.id in registry.by_id:
         totals.lost_turns += len(loaded.lost) + (len(session.turns) if session is not None else 0)
@@ -87,6 +105,9 @@ def _recover_one(registry: SessionRegistry, path: Path, totals: Recovery) -> Non
     totals.quarantined_lines += len(loaded.damaged)
     totals.duplicate_lines += loaded.duplicates
     kept = [p for p in (quarantine(registry.store_dir, path, d) for d in loaded.damaged) if p is not None]
+    if loaded.stand_in:
+        log.warning("session log %s: its session line is damaged or missing; its turns come back in a closed "
+                    "session without its metadata and key", path)
     if kept or (loaded.lost and not loaded.damaged):
         log.warning("session log %s: %d damaged lines skipped (bytes kept in %s), %d turns lost: %s", path,
                     len(loaded.damaged), registry.store_dir / QUARANTINE, len(loaded.lost),

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from harness_rl.trace import Sampling
-from proxy.chat import Knobs
+from proxy.chat import ChatCall, Dialect, Knobs
 from proxy.errors import ProxyError
 
 # Knob -> the value at which it leaves the distribution untouched.
@@ -27,6 +27,12 @@ NEUTRAL = {
     "repetition_penalty": 1.0,
 }
 Truncation = Literal["neutralise", "reject"]
+# Where each dialect's agent set its output budget, for the error that names it.
+MAX_TOKENS_FIELDS: dict[Dialect, str] = {
+    "openai_chat": "max_tokens", "anthropic_messages": "max_tokens", "openai_responses": "max_output_tokens",
+    "google_gemini": "generationConfig.maxOutputTokens",
+}
+CONTEXT_CEILING = 2**31 - 1  # no engine's context is longer; the bound when an engine does not say its own
 
 
 class Applied(msgspec.Struct, kw_only=True, frozen=True):
@@ -69,3 +75,17 @@ def call_seed(session_seed: int, call: int) -> int:
     (31 bits, which every engine takes)."""
     digest = hashlib.sha256(f"{session_seed}/{call}".encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1
+
+
+def check_max_tokens(call: ChatCall, context: int | None) -> None:
+    """Refuse (400) an output budget longer than the engine's whole context (`context`; None: unknown).
+
+    vLLM's chat route refuses such a request; its token-in generate route clamps it silently, so the
+    proxy refuses it before anything is sent or recorded, as the agent's API would.
+    """
+    requested = call.knobs.max_tokens
+    limit = context if context is not None else CONTEXT_CEILING
+    if requested is not None and requested > limit:
+        where = f"the engine's {context}-token context" if context is not None else f"{limit} tokens"
+        raise ProxyError(400, f"{MAX_TOKENS_FIELDS[call.dialect]}: {requested} is more than {where} (prompt and "
+                              "completion together); request fewer output tokens")

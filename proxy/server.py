@@ -19,9 +19,10 @@ from aiohttp import web
 
 from proxy.agent_routes import AgentRoutes
 from proxy.config import ProxyConfig
+from proxy.connections import ConnectionGuard
 from proxy.control_routes import ControlRoutes
 from proxy.errors import Dialect, ProxyError, error_body
-from proxy.limits import LINGER_S, ConnectionGuard, RequestHandler, send_and_close
+from proxy.limits import LINGER_S, RequestHandler, client_left, log_left, send_and_close
 from proxy.pipeline import CapturePipeline
 from proxy.recovery import recover_store
 from proxy.session import SessionRegistry
@@ -36,7 +37,8 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
-        self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync, max_chain=config.max_chain)
+        self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync,
+                                        whole_turn_every=config.whole_turn_every)
         self.engine = EngineClient(config.upstream, timeout_s=config.request_timeout_s, retries=config.retries,
                                    model=config.upstream_model, max_reply_bytes=int(config.max_reply_mb * 2**20),
                                    vocab_size=config.vocab_size)
@@ -45,7 +47,7 @@ class Proxy:
         self.pipeline = CapturePipeline(config, self.engine)
         self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self._base_url,
                                      self.guard)
-        self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline)
+        self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline, self.guard)
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
@@ -74,9 +76,6 @@ class Proxy:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            refused = self.guard.refusal(request.transport)
-            if refused is not None:
-                raise refused
             return await handler(request)
         except ProxyError as exc:
             response = error_response(dialect_of(request), exc)
@@ -92,8 +91,13 @@ class Proxy:
             message = f"{exc.reason}: {request.method} {request.path}"
             return error_response(dialect_of(request), ProxyError(exc.status, message))
         except Exception as exc:
+            if isinstance(exc, ConnectionError) and client_left(request):
+                log_left(request)  # one line: a client leaving is no proxy failure
+                return web.Response(status=499)  # never sent: no one is there to read it
             log.exception("proxy failure on %s %s", request.method, request.path)
             return error_response(dialect_of(request), ProxyError(500, f"proxy failure: {exc!r}"))
+        finally:
+            self.guard.finished(request.transport)
 
 
 def dialect_of(request: web.Request) -> Dialect:
@@ -127,6 +131,7 @@ class RunningProxy:
     async def stop(self) -> None:
         self.server.close()
         await self.runner.cleanup()
+        await self.proxy.agents.cancel_captures()
 
 
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
@@ -142,8 +147,12 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
         return RequestHandler(manager, loop=loop, keepalive_timeout=config.header_timeout_s, lingering_time=LINGER_S,
                               access_log=None)  # type: ignore[arg-type]  # None: no access log (aiohttp's documented way)
 
-    server = await loop.create_server(proxy.guard.protocol_factory(handler), config.host or None, config.port,
-                                      backlog=1024, reuse_address=True)
+    try:
+        server = await loop.create_server(proxy.guard.protocol_factory(handler), config.host or None, config.port,
+                                          backlog=1024, reuse_address=True)
+    except BaseException:
+        await runner.cleanup()  # a port in use: close the engine client and the store before saying so
+        raise
     port = server.sockets[0].getsockname()[1]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     url = f"http://{host}:{port}"

@@ -4,8 +4,10 @@ In memory a session keeps, per turn, only its encoded log line (delta-encoded, a
 capture graph's new tokens, so a long rollout costs memory in proportion to what it adds. Full
 `TrainingTrace`s are built on demand when the trace is fetched.
 
-Delta chains on disk are bounded: after `max_chain` delta-encoded turns in a row a turn is written
-whole (memory keeps its delta), so one damaged log line costs at most that many later turns.
+What a damaged line costs is bounded: every turn written as a delta rests on a turn written whole
+(its anchor), and once `whole_turn_every` turns rest on one anchor the next is written whole instead
+(memory keeps its delta). A linear session thus stores a whole turn every `whole_turn_every` turns,
+and a damaged or missing log line costs at most `whole_turn_every` turns, however long the session.
 Recovery (`proxy.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
 missing line; a turn that cannot be rebuilt exactly is counted lost and left out, never guessed.
 Once a session is closed or deleted nothing more is written: a call still in flight then is
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import math
+import re
 import secrets
 import time
 from array import array
@@ -55,8 +58,8 @@ from proxy.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messag
 @dataclass(slots=True)
 class CapturedTurn:
     line: bytes
+    anchor: str  # the turn written whole that this one's logged form rests on (its own id: written whole)
     delivered: bool = True
-    depth: int = 0  # delta hops on disk to a turn stored whole (0: this one is)
 
 
 @dataclass(slots=True)
@@ -84,12 +87,13 @@ class TurnCapture:
 
 
 class Session:
-    def __init__(self, opened: SessionOpened, log: SessionLog, *, max_chain: int | None = None) -> None:
+    def __init__(self, opened: SessionOpened, log: SessionLog, *, whole_turn_every: int | None = None) -> None:
         self.opened = opened
         self.log = log
-        self.max_chain = max_chain
+        self.whole_turn_every = whole_turn_every
         self.graph = CaptureGraph()
         self.turns: dict[str, CapturedTurn] = {}
+        self.resting: dict[str, int] = {}  # per anchor: the logged turns resting on it, itself included
         self.replies = ReplyIndex()
         self.continued: set[str] = set()  # turns the agent went on from although no prompt extends them
         self.closed = False
@@ -160,20 +164,28 @@ class Session:
             started_at=capture.started_at, finished_at=capture.finished_at,
         )
         line = encode_line(stored)
-        depth = self.turns[base.node_id].depth + 1 if base.node_id and (stored.shared or prefix or inherit_tools) \
-            else 0
-        if self.max_chain is not None and depth > self.max_chain:  # the log gets this turn whole, memory the delta
-            depth = 0
+        anchor = self._anchor(node_id, stored)
+        if anchor == node_id and stored.base:  # the log gets this turn whole, memory its delta
             self.log.append(encode_line(msgspec.structs.replace(
                 stored, base=None, shared=0, tail=token_ids(sequence), messages_prefix=0,
                 messages=[msgspec.Raw(m) for m in capture.messages], tools_inherited=False,
                 tools=None if capture.tools is None else msgspec.Raw(capture.tools))))
         else:
             self.log.append(line)
-        self.turns[node_id] = CapturedTurn(line, depth=depth)
+        self.turns[node_id] = CapturedTurn(line, anchor)
         self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered))
         self._note_continuation(capture.prefix_break)
         return node_id
+
+    def _anchor(self, node_id: str, stored: StoredTurn) -> str:
+        """The anchor of a turn about to be logged as `stored`: its base's, unless that one holds enough already
+        (or it rests on nothing); then the turn itself, to be logged whole."""
+        depends = stored.base and (stored.shared or stored.messages_prefix or stored.tools_inherited)
+        anchor = self.turns[stored.base].anchor if depends and stored.base else node_id
+        if anchor != node_id and self.whole_turn_every is not None and self.resting[anchor] >= self.whole_turn_every:
+            anchor = node_id
+        self.resting[anchor] = self.resting.get(anchor, 0) + 1
+        return anchor
 
     def mark_undelivered(self, node_id: str) -> None:
         if self.log.sealed:
@@ -233,8 +245,9 @@ class Session:
                     line.started_at or 0.0, request_key=_request_key(message_digests, tools_digest),
                     tokens=sequence.count(SEP))
         self.graph.add(node, sequence)
-        depth = self.turns[line.base].depth + 1 if base is not None and line.base else 0
-        self.turns[line.node_id] = CapturedTurn(raw + b"\n", depth=depth)
+        anchor = self.turns[line.base].anchor if base is not None and line.base else line.node_id
+        self.resting[anchor] = self.resting.get(anchor, 0) + 1
+        self.turns[line.node_id] = CapturedTurn(raw + b"\n", anchor)
         self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply))
         self._note_continuation(line.prefix_break)
         self.calls += 1
@@ -307,16 +320,19 @@ def _own_problem(turn: StoredTurn) -> str | None:
     return None
 
 
+SESSION_ID = re.compile(r"s[0-9a-f]{24}")  # what `SessionRegistry.create` names a session (and its log file)
+
+
 class SessionRegistry:
     """Every session of one proxy, by id and by key digest, backed by one log file each under `store_dir`.
 
     The store is private to its owner (0700, files 0600).
     """
 
-    def __init__(self, store_dir: Path, *, fsync: bool = False, max_chain: int | None = None) -> None:
+    def __init__(self, store_dir: Path, *, fsync: bool = False, whole_turn_every: int | None = None) -> None:
         self.store_dir = private_dir(store_dir)
         self.fsync = fsync
-        self.max_chain = max_chain
+        self.whole_turn_every = whole_turn_every
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}  # by key digest
         self.recovery = Recovery()
@@ -328,7 +344,8 @@ class SessionRegistry:
         opened = SessionOpened(id="s" + secrets.token_hex(12), key_sha256=key_digest(key), created_at=time.time(),
                                metadata=metadata or {}, max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
                                seed=seed)
-        session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync), max_chain=self.max_chain)
+        session = Session(opened, SessionLog(self._path(opened.id), fsync=self.fsync),
+                          whole_turn_every=self.whole_turn_every)
         session.log.append(encode_line(opened))
         self.add(session)
         return session, key

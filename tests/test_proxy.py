@@ -15,6 +15,7 @@ from fake_engine import IM_END, FakeEngine, Scripted, logprob_of
 from proxy_agent import TOOLS, Agent
 
 from harness_rl.run.stack import serve_proxy
+from harness_rl.trace import TrainingTrace
 from proxy.client import ProxyClient, ProxyClientError
 from proxy.config import ProxyConfig
 from proxy.pipeline import BUDGET_MESSAGE
@@ -266,11 +267,12 @@ def test_pause_holds_new_calls_until_resume(fake_proxy: RunningProxy, fake_engin
             fake_engine.script.append(Scripted(delay_s=0.3))
             one = {"model": "m", "messages": [{"role": "user", "content": "1"}]}
             in_flight = asyncio.create_task(http.post(f"{agent.base}/chat/completions", json=one, headers=agent.auth))
-            await asyncio.sleep(0.1)
-            started = time.monotonic()
+            while not fake_engine.requests:  # the call is at the engine (it answers after 0.3 s)
+                await asyncio.sleep(0.01)
             paused = await http.post(f"{fake_proxy.url}/admin/pause", headers=admin)
             assert paused.json() == {"paused": True, "in_flight": 0}
-            assert time.monotonic() - started > 0.1  # waited for the call already at the engine
+            trace = await http.get(f"{fake_proxy.url}/sessions/{agent.session['id']}/trace", headers=admin)
+            assert len(TrainingTrace.from_json(trace.content).turns) == 1  # the pause waited for it to be recorded
             assert (await in_flight).status_code == 200
             held = asyncio.create_task(http.post(f"{agent.base}/chat/completions",
                                                  json={"model": "m", "messages": [{"role": "user", "content": "2"}]},

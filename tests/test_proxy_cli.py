@@ -110,3 +110,20 @@ def test_serve_proxy_waits_for_an_engine_then_names_it_when_it_never_answers(tmp
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "FAIL  engine answers" in done.stderr and "GET /v1/models" in done.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(fake_engine_server: tuple, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", fake_engine_server[1],
+             "--port", str(port), "--store", str(tmp_path / "store"), "--no-engine-check"], capture_output=True,
+            text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        f"harness-rl serve proxy: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+        "address already in use"]  # no "Unclosed client session" after it
