@@ -137,7 +137,11 @@ def test_ctrl_c_closes_every_session_and_sandbox_and_keeps_the_checkpoint(tmp_pa
         for line in process.stdout:  # type: ignore[union-attr]
             if line.startswith("step 2 "):
                 break
-        children = descendants(process.pid)
+        children: dict[int, str] = {}
+        deadline = time.monotonic() + 120
+        while not children and time.monotonic() < deadline:  # the next group's agents are running (lockstep:
+            children = descendants(process.pid)  # they start once step 2's weights are in)
+            time.sleep(0.05)
         process.send_signal(signal.SIGINT)
         output = process.communicate(timeout=120)[0]
     finally:
