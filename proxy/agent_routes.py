@@ -21,6 +21,7 @@ from proxy import anthropic, gemini, openai_chat, openai_responses
 from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
+from proxy.engines import bind_session
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
 from proxy.limits import read_body
@@ -219,6 +220,7 @@ class AgentRoutes:
                       answered: Callable[[Answer], None] | None = None) -> web.StreamResponse:
         """Capture the call and answer it, under the id its dialect refers back to (`answered` learns it)."""
         renderer = RENDERERS[call.dialect]
+        bind_session(session)  # this call's engine requests go to the session's engine (proxy.engines)
         gate = self.pipeline.gate
         await gate.enter()
         if not session.admit():

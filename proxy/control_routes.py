@@ -18,6 +18,7 @@ from aiohttp import web
 from harness_rl.trace import FORMATS, TraceFormat, TraceFormatError, TraceValidationError
 from proxy.config import ProxyConfig
 from proxy.control_api import Deleted, Health, Paused, PolicyVersion, SessionCreate, SessionInfo, SessionList
+from proxy.engines import EnginePool
 from proxy.errors import ProxyError
 from proxy.limits import ConnectionGuard, read_body
 from proxy.pipeline import CapturePipeline
@@ -42,11 +43,12 @@ def _decode(data: bytes, kind: type[Any]) -> Any:
 
 class ControlRoutes:
     def __init__(self, config: ProxyConfig, admin_token: str, registry: SessionRegistry, pipeline: CapturePipeline,
-                 base_url: Callable[[web.Request], str], guard: ConnectionGuard) -> None:
+                 engines: EnginePool, base_url: Callable[[web.Request], str], guard: ConnectionGuard) -> None:
         self.config = config
         self.admin_token = admin_token
         self.registry = registry
         self.pipeline = pipeline
+        self.engines = engines
         self.base_url = base_url
         self.guard = guard
 
@@ -81,7 +83,7 @@ class ControlRoutes:
         gate = self.pipeline.gate
         return json_response(Health(status="ok", sessions=len(self.registry.by_id), paused=gate.paused,
                                     in_flight=gate.in_flight, policy_version=self.pipeline.announced_version,
-                                    upstream=self.config.upstream, recovery=self.registry.recovery,
+                                    engines=self.engines.health(), recovery=self.registry.recovery,
                                     connections=self.guard.open))
 
     async def create_session(self, request: web.Request) -> web.Response:
@@ -156,6 +158,7 @@ class ControlRoutes:
         self._admin(request)
         body: PolicyVersion = _decode(await read_body(request, self.config.body_timeout_s), PolicyVersion)
         self.pipeline.announced_version = body.version
+        await self.engines.announce(body.version)
         return json_response(body)
 
 
