@@ -143,7 +143,16 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/weight_info", self._weight_info)
         return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        """The version as vLLM says it: "default" until one is set."""
+        return web.json_response({"weight_version": "default" if self.version is None else str(self.version)})
 
     def _headers(self) -> dict[str, str]:
         return {"x-policy-version": str(self.version)} if self.version is not None else {}
