@@ -75,6 +75,7 @@ class FakeEngine:
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
+    hold_generate: bool = False  # never answer a generate; say on stdout that one arrived
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -189,6 +190,9 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if self.keep_requests:
             self.requests.append(body)
+        if self.hold_generate:  # a test kills this engine now, with the call at it
+            print("generate", flush=True)
+            await asyncio.Event().wait()
         scripted = self.script.popleft() if self.script else None
         if scripted is not None and scripted.delay_s:
             await asyncio.sleep(scripted.delay_s)
@@ -340,10 +344,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--hold-generate", action="store_true",
+                        help="never answer a generate; print 'generate' when one arrives (a crash mid-call)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        runner, url = await start_fake_engine(FakeEngine(keep_requests=False), port=args.port)
+        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate)
+        runner, url = await start_fake_engine(fake, port=args.port)
         print(url, flush=True)
         await asyncio.Event().wait()
 

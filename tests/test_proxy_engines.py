@@ -8,8 +8,11 @@ as a crashed and restarted engine would be.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,6 +29,7 @@ from proxy.control_api import Health
 from proxy.server import RunningProxy
 
 TASK = [{"role": "user", "content": "count"}]
+FAKE_ENGINE = Path(__file__).parent / "fake_engine.py"
 
 
 class Engine:
@@ -150,6 +154,30 @@ def test_a_dead_engines_sessions_go_on_exactly_on_another_engine(proxy: RunningP
         assert trace.turns[1].prompt_token_ids[:len(trace.turns[0].sequence)] == trace.turns[0].sequence
     down = health(proxy).engines[0]
     assert down.state == "down" and down.open_sessions == 0 and health(proxy).engines[1].open_sessions == 4
+
+
+def test_a_call_at_an_engine_killed_mid_call_is_answered_by_another_from_the_same_ids(engines: list[Engine],
+                                                                                    tmp_path: Path) -> None:
+    dying = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--hold-generate"], stdout=subprocess.PIPE)
+    try:
+        assert dying.stdout is not None
+        dying_url, alive = dying.stdout.readline().decode().strip(), engines[0]
+        config = ProxyConfig(upstream=[dying_url, alive.url], store_dir=str(tmp_path / "store"), engine_check_s=0.1)
+        with serve_proxy(config) as running, ThreadPoolExecutor(1) as agent_thread:
+            agent = Agent(running)  # its first call goes to the first engine: neither has a session yet
+            answer = agent_thread.submit(agent.chat, TASK)
+            assert dying.stdout.readline().decode().strip() == "generate"  # the call is at the engine now
+            dying.kill()
+            got = answer.result(timeout=60)
+            assert got.status_code == 200, got.text
+            trace = agent.trace()
+            assert engines_of(trace) == [alive.url]
+            # the prompt ids the dead engine rendered are the ones the other engine sampled from
+            assert alive.fake.requests[-1]["token_ids"] == trace.turns[0].prompt_token_ids
+            assert [e.state for e in health(running).engines] == ["down", "serving"]
+    finally:
+        dying.kill()
+        dying.wait()
 
 
 def test_a_restarted_engine_serves_again_only_once_it_holds_the_announced_version(proxy: RunningProxy,
