@@ -47,7 +47,8 @@ def test_every_engine_takes_the_version_at_once_and_reports_it(fakes) -> None:
     engines, urls = fakes
     together = threading.Barrier(3)
     with BackgroundLoop() as loop:
-        sync = FanOutSync([(url, lambda f=fake: SetsVersion(f, together)) for fake, url in zip(engines, urls)], loop)
+        sync = FanOutSync([(url, lambda f=fake: SetsVersion(f, together))
+                           for fake, url in zip(engines, urls, strict=True)], loop)
         sync.push(torch.nn.Linear(1, 1), 5)
         sync.close()
     assert [e.version for e in engines] == [5, 5, 5] and sync.reached == urls and sync.missed == {}
@@ -64,7 +65,8 @@ def test_an_engine_that_fails_or_reports_another_version_misses_it_and_gets_a_fr
         return made[-1]
 
     with BackgroundLoop() as loop:
-        sync = FanOutSync([(url, lambda f=fake, u=url: backend(f, u)) for fake, url in zip(engines, urls)], loop)
+        sync = FanOutSync([(url, lambda f=fake, u=url: backend(f, u))
+                           for fake, url in zip(engines, urls, strict=True)], loop)
         assert len(made) == 3
         sync.push(torch.nn.Linear(1, 1), 1)
         assert sync.reached == [urls[0]]
@@ -83,7 +85,7 @@ def test_a_push_no_engine_took_fails_naming_each_engine(fakes) -> None:
     together = threading.Barrier(3)
     with BackgroundLoop() as loop:
         sync = FanOutSync([(url, lambda f=fake: SetsVersion(f, together, fail=True))
-                           for fake, url in zip(engines, urls)], loop)
+                           for fake, url in zip(engines, urls, strict=True)], loop)
         with pytest.raises(WeightSyncError, match="no engine took version 3") as raised:
             sync.push(torch.nn.Linear(1, 1), 3)
         assert all(url in str(raised.value) for url in urls)
