@@ -111,3 +111,23 @@ def test_real_engines_each_serve_the_pushed_weights(tiny_model_dir: Path) -> Non
         for name, parameter in model.named_parameters():
             assert torch.equal(engine.model.get_parameter(name), parameter), name
         engine.close()
+
+
+def test_the_sync_check_asks_the_engines_in_turn_and_passes_over_a_dead_one(tiny_model_dir: Path) -> None:
+    from harness_rl.learner.weight_sync import free_port
+    from harness_rl.run.engines import EngineSampler
+    from proxy.errors import ProxyError
+
+    engine = Engine.from_pretrained(tiny_model_dir)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with BackgroundLoop() as loop, serve_in_thread(engine) as alive:
+        sampler = EngineSampler(lambda: [alive.url, dead], loop, 1.0, tokens=4)
+        first = sampler.sample([1, 2, 3])
+        second = sampler.sample([1, 2, 3])  # the dead engine's turn: the live one answers, the same seeded sample
+        assert first == second and first[0] and list(sampler.clients) == [alive.url, dead]
+        only_dead = EngineSampler(lambda: [dead], loop, 1.0, tokens=4)
+        with pytest.raises(ProxyError, match=f"cannot reach the engine at {dead}"):
+            only_dead.sample([1, 2, 3])
+        sampler.close()
+        only_dead.close()
+    engine.close()

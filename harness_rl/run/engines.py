@@ -9,6 +9,7 @@ version to every engine at once). Which weight-sync backend an engine takes is d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shlex
 import sys
@@ -240,16 +241,22 @@ class EngineSampler:
         self.checks = 0
 
     def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]:
-        """Ids the next engine samples after `prompt`, and their logprobs."""
+        """Ids the next engine samples after `prompt`, and their logprobs (the engine after it if it fails)."""
         from proxy.engine_wire import SamplingParams
+        from proxy.errors import ProxyError
         from proxy.upstream import Rendered
 
         urls = self.urls()
-        url = urls[self.checks % len(urls)]
+        first = self.checks % len(urls)
         self.checks += 1
+        order = urls[first:] + urls[:first]
         rendered = Rendered(text=b"".join(b"%d," % i for i in prompt), count=len(prompt))
-        sampled = self.loop.run(self._client(url).generate(rendered, SamplingParams.capturing(
-            temperature=self.temperature, max_tokens=self.tokens, seed=len(prompt))))
+        params = SamplingParams.capturing(temperature=self.temperature, max_tokens=self.tokens, seed=len(prompt))
+        for url in order[:-1]:
+            with contextlib.suppress(ProxyError):
+                sampled = self.loop.run(self._client(url).generate(rendered, params))
+                return sampled.ids, sampled.logps
+        sampled = self.loop.run(self._client(order[-1]).generate(rendered, params))
         return sampled.ids, sampled.logps
 
     def _client(self, url: str) -> EngineClient:
