@@ -73,6 +73,7 @@ class EngineHealth(msgspec.Struct, kw_only=True):
     open_sessions: int  # open sessions bound to it
     sessions: int  # sessions ever bound to it
     samples: int  # samples it answered
+    data_parallel: int = 1  # its data-parallel copies (vLLM's --data-parallel-size), each a place sessions stay
 
 
 class Health(msgspec.Struct, kw_only=True):

@@ -5,7 +5,9 @@ conversation; a new session goes to the serving engine with the fewest open sess
 fewest requests at it). An engine that stops answering (a refused or broken connection it cannot
 explain with a healthy `/health`, or two failed health probes in a row) is taken out, and its
 sessions' next requests go to another engine: their prompts are token ids (token in, token out), so
-a conversation stays one exact chain whichever engine samples its next turn.
+a conversation stays one exact chain whichever engine samples its next turn. A vLLM server with
+data parallelism (`--data-parallel-size N`) is N places a session can stay: its samples carry the
+rank it stays on (`X-data-parallel-rank`), so vLLM does not spread one conversation over its copies.
 
 An engine serves only while it holds the weights the learner last announced. When a version is
 announced, the engines that report it (`GET /weight_info`) serve and the others wait, `stale`,
@@ -44,6 +46,7 @@ SAMPLE_PATH = "/inference/v1/generate"
 PROBE_TIMEOUT_S = 5.0
 PROBE_FAILURES = 2  # failed health probes in a row that take a serving engine out
 NO_ENGINE_RETRY_AFTER_S = "5"
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: which data-parallel copy samples the request
 
 
 @dataclass
@@ -58,10 +61,20 @@ class Upstream:
     failed_probes: int = 0
     sessions: int = 0  # sessions ever bound to it
     samples: int = 0  # samples it answered
+    ranks: int | None = None  # its data-parallel copies (vLLM's /get_world_size), once it said
 
     def health(self, open_sessions: int) -> EngineHealth:
         return EngineHealth(url=self.url, state=self.state, version=self.version, reason=self.reason or None,
-                            open_sessions=open_sessions, sessions=self.sessions, samples=self.samples)
+                            open_sessions=open_sessions, sessions=self.sessions, samples=self.samples,
+                            data_parallel=self.ranks or 1)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a session stays: an engine, and which of its data-parallel copies (None: the engine chooses)."""
+
+    upstream: Upstream
+    rank: int | None = None
 
 
 @dataclass
@@ -70,6 +83,7 @@ class Route:
 
     session: Session | None
     upstream: Upstream | None = None
+    rank: int | None = None
     sampled: Upstream | None = None
 
 
@@ -91,7 +105,12 @@ class WeightInfo(msgspec.Struct):
     weight_version: str | None = None
 
 
+class WorldSize(msgspec.Struct):
+    world_size: int
+
+
 _WEIGHT_INFO = msgspec.json.Decoder(WeightInfo)
+_WORLD_SIZE = msgspec.json.Decoder(WorldSize)
 
 
 class EnginePool(EngineClient):
@@ -107,8 +126,8 @@ class EnginePool(EngineClient):
         self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
         self.check_s = check_s
         self.fleet_version: str | None = None  # the announced version some engine reported
-        self._bound: dict[str, tuple[Session, Upstream]] = {}
-        self._watching: asyncio.Task[None] | None = None
+        self._bound: dict[str, tuple[Session, Place]] = {}
+        self._tasks: list[asyncio.Task[None]] = []  # the health watch, learning the data-parallel copies
         super().__init__(self.upstreams[0].url, **client)
 
     @property
@@ -123,18 +142,19 @@ class EnginePool(EngineClient):
 
     async def start(self) -> None:
         await super().start()
+        self._tasks.append(asyncio.create_task(self._learn_ranks()))
         if len(self.upstreams) > 1:
-            self._watching = asyncio.create_task(self._watch())
+            self._tasks.append(asyncio.create_task(self._watch()))
 
     async def close(self) -> None:
-        if self._watching is not None:
-            self._watching.cancel()
-            await asyncio.gather(self._watching, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await super().close()
 
     def health(self) -> list[EngineHealth]:
         open_sessions = self._open_sessions()
-        return [u.health(open_sessions.get(u.url, 0)) for u in self.upstreams]
+        return [u.health(sum(n for (url, _), n in open_sessions.items() if url == u.url)) for u in self.upstreams]
 
     async def _send(self, method: str, path: str, payload: bytes | None, deadline: float | None = None,
                     stream: bool = False) -> tuple[int, Any, Any]:
@@ -148,7 +168,8 @@ class EnginePool(EngineClient):
             token = None
         try:
             while True:
-                upstream = route.upstream = self._upstream_for(route)
+                place = self._place_for(route)
+                upstream, route.upstream, route.rank = place.upstream, place.upstream, place.rank
                 upstream.in_flight += 1
                 try:
                     reply = await super()._send(method, path, payload, deadline, stream)
@@ -167,37 +188,74 @@ class EnginePool(EngineClient):
             if token is not None:
                 _ROUTE.reset(token)
 
-    def _upstream_for(self, route: Route) -> Upstream:
-        """The session's engine while it serves; else (a new session, or its engine out) the least loaded one."""
-        if len(self.upstreams) == 1:
-            return self.upstreams[0]
+    def _headers(self, path: str) -> dict[str, str]:
+        route = _ROUTE.get()
+        if path != SAMPLE_PATH or route is None or route.rank is None:
+            return super()._headers(path)
+        return {**super()._headers(path), DATA_PARALLEL_RANK_HEADER: str(route.rank)}
+
+    def _place_for(self, route: Route) -> Place:
+        """The session's place while its engine serves; else (a new session, or its engine out) the least loaded
+        place (engine and data-parallel copy) of a serving engine. With one engine and no data parallelism, it."""
         session = route.session
+        if len(self.upstreams) == 1 and (self.upstreams[0].ranks or 1) == 1:
+            return Place(self.upstreams[0])
         bound = self._bound.get(session.id) if session is not None else None
-        if bound is not None and bound[1].state == "serving":
+        if bound is not None and bound[1].upstream.state == "serving":
             return bound[1]
         serving = [u for u in self.upstreams if u.state == "serving"]
         if not serving:
             why = "; ".join(f"{u.url} {u.state}: {u.reason}" for u in self.upstreams)
             raise ProxyError(503, f"no engine is serving ({why})", headers={"Retry-After": NO_ENGINE_RETRY_AFTER_S})
         if session is None:
-            return min(serving, key=lambda u: u.in_flight)
+            return Place(min(serving, key=lambda u: u.in_flight))
         open_sessions = self._open_sessions()
-        chosen = min(serving, key=lambda u: (open_sessions.get(u.url, 0), u.in_flight))
+        places = [Place(u, rank if (u.ranks or 1) > 1 else None) for u in serving for rank in range(u.ranks or 1)]
+        chosen = min(places, key=lambda p: (open_sessions.get((p.upstream.url, p.rank), 0), p.upstream.in_flight))
         if bound is not None:
-            log.info("session %s moves from %s (%s) to %s", session.id, bound[1].url, bound[1].state, chosen.url)
+            log.info("session %s moves from %s (%s) to %s", session.id, bound[1].upstream.url,
+                     bound[1].upstream.state, chosen.upstream.url)
         self._bound[session.id] = (session, chosen)
-        chosen.sessions += 1
+        chosen.upstream.sessions += 1
         return chosen
 
-    def _open_sessions(self) -> dict[str, int]:
-        """Open sessions per engine URL (closed or deleted ones are forgotten here)."""
-        counts: dict[str, int] = {}
-        for session_id, (session, upstream) in list(self._bound.items()):
+    def _open_sessions(self) -> dict[tuple[str, int | None], int]:
+        """Open sessions per place (closed or deleted ones are forgotten here)."""
+        counts: dict[tuple[str, int | None], int] = {}
+        for session_id, (session, place) in list(self._bound.items()):
             if session.closed or session.deleted:
                 del self._bound[session_id]
             else:
-                counts[upstream.url] = counts.get(upstream.url, 0) + 1
+                key = (place.upstream.url, place.rank)
+                counts[key] = counts.get(key, 0) + 1
         return counts
+
+    async def _learn_ranks(self) -> None:
+        """Each engine's data-parallel copies, asked until it answers (sessions placed before that let the engine
+        choose): vLLM's world size with and without them (dev mode); an engine that cannot say has one."""
+        while True:
+            for upstream in self.upstreams:
+                if upstream.ranks is None:
+                    with_dp, without = [await self._world_size(upstream, dp) for dp in ("true", "false")]
+                    if with_dp is not None and without is not None:
+                        upstream.ranks = max(1, with_dp // without) if without else 1
+            if all(u.ranks is not None for u in self.upstreams):
+                return
+            await asyncio.sleep(self.check_s)
+
+    async def _world_size(self, upstream: Upstream, include_dp: str) -> int | None:
+        """vLLM's `/get_world_size` (0 when the engine has no such route; None when it did not answer)."""
+        assert self._http is not None
+        try:
+            async with self._http.get(f"{upstream.url}/get_world_size", params={"include_dp": include_dp},
+                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
+                body, status = await response.read(), response.status
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        try:
+            return _WORLD_SIZE.decode(body).world_size if status == 200 else 0
+        except msgspec.DecodeError:
+            return 0
 
     def _take_out(self, upstream: Upstream, state: EngineState, reason: str) -> None:
         if upstream.state == "serving":

@@ -297,8 +297,7 @@ class EngineClient:
         try:
             if remaining <= 0:
                 raise TimeoutError
-            resp = await self._http.request(method, self.url + path, data=payload,
-                                            headers={"Content-Type": "application/json"},
+            resp = await self._http.request(method, self.url + path, data=payload, headers=self._headers(path),
                                             timeout=aiohttp.ClientTimeout(total=remaining))
             if stream and resp.status == 200:
                 return resp.status, resp, resp.headers
@@ -308,6 +307,10 @@ class EngineClient:
             raise ProxyError(504, f"the engine at {self.url} did not answer within {self.timeout_s:g} s") from None
         except aiohttp.ClientError as exc:
             raise EngineUnreachable(502, f"cannot reach the engine at {self.url}: {exc}") from None
+
+    def _headers(self, path: str) -> dict[str, str]:
+        """The headers of a request to `path` (an engine pool adds where in the engine it goes)."""
+        return {"Content-Type": "application/json"}
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
         """The reply's body, refused (502, not retried) past `max_reply_bytes`, before it is all read if possible."""

@@ -76,6 +76,8 @@ class FakeEngine:
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
     hold_generate: bool = False  # never answer a generate; say on stdout that one arrived
+    data_parallel: int | None = None  # vLLM's data-parallel copies, as its /get_world_size says (None: no route)
+    ranks: list[str | None] = field(default_factory=list)  # each generate's X-data-parallel-rank header
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -146,7 +148,15 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_get("/get_world_size", self._world_size)
         return app
+
+    async def _world_size(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode route: TP x PP (here 1), times the data-parallel copies unless include_dp=false."""
+        if self.data_parallel is None:
+            raise web.HTTPNotFound()
+        include_dp = request.query.get("include_dp", "true") == "true"
+        return web.json_response({"world_size": self.data_parallel if include_dp else 1})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -190,6 +200,7 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if self.keep_requests:
             self.requests.append(body)
+            self.ranks.append(request.headers.get("X-data-parallel-rank"))
         if self.hold_generate:  # a test kills this engine now, with the call at it
             print("generate", flush=True)
             await asyncio.Event().wait()

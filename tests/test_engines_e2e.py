@@ -56,10 +56,17 @@ class EngineProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 900.0) -> None:
+    def start(self, timeout_s: float = 1200.0) -> None:
+        self.launch()
+        self.wait(timeout_s)
+
+    def launch(self) -> None:
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout_s: float = 1200.0) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while not _healthy(self.url):
             assert self.process.poll() is None, self.log.read_text()[-3000:]
@@ -156,6 +163,7 @@ def sampled_logps(outcome: RolloutOutcome) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kind", ["embedded", "vllm"])
 def test_a_run_over_two_engines_survives_a_kill_9_and_the_engine_rejoins_with_the_current_weights(
         kind: str, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -170,8 +178,10 @@ def test_a_run_over_two_engines_survives_a_kill_9_and_the_engine_rejoins_with_th
     harness = ChainChat(answered)
     events: dict[str, float] = {}
     try:
+        for engine in engines:  # started side by side: vLLM takes minutes on a busy 2-core box
+            engine.launch()
         for engine in engines:
-            engine.start()
+            engine.wait()
         config = resolve({
             "preset": "demo",
             "engine": {"model": str(tiny_model_dir), "engine": [e.url for e in engines],

@@ -121,6 +121,7 @@ def test_new_sessions_go_to_the_least_loaded_engine_and_each_stays_on_its_own(pr
     served = [engines_of(trace)[0] for trace in traces]
     assert sorted(served.count(e.url) for e in engines) == [3, 3]
     assert [e.samples() for e in engines] == [9, 9]
+    assert {rank for e in engines for rank in e.fake.ranks} == {None}  # no data parallelism: no rank asked for
     state = health(proxy)
     assert [(e.state, e.open_sessions, e.sessions, e.samples) for e in state.engines] == [("serving", 3, 3, 9)] * 2
 
@@ -283,3 +284,23 @@ def test_requests_of_concurrent_sessions_each_reach_their_own_engine(proxy: Runn
         assert len(trace.turns) == 4 and len(set(engines_of(trace))) == 1
         assert_one_chain(trace)
     assert [e.samples() for e in engines] == [16, 16]
+
+
+def test_a_data_parallel_engine_keeps_each_session_on_one_of_its_copies(tmp_path: Path) -> None:
+    with BackgroundLoop("fake-engines") as loop:
+        engine = Engine(loop)
+        engine.fake.data_parallel = 3
+        config = ProxyConfig(upstream=[engine.url], store_dir=str(tmp_path / "store"), engine_check_s=0.1)
+        with serve_proxy(config) as running:
+            wait_for(lambda: health(running).engines[0].data_parallel == 3)
+            agents = [Agent(running) for _ in range(6)]
+            conversations = [list(TASK) for _ in agents]
+            for _ in range(3):  # one call at a time: the k-th sample is call k
+                conversations = [turn(agent, c) for agent, c in zip(agents, conversations, strict=True)]
+            for agent in agents:
+                assert_one_chain(agent.trace())
+            assert health(running).engines[0].open_sessions == 6
+        engine.stop()
+    ranks = [engine.fake.ranks[i::6] for i in range(6)]  # each session's samples, in order
+    assert all(len(set(r)) == 1 for r in ranks)  # a session stays on one copy (its prefix cache)
+    assert sorted(r[0] for r in ranks) == ["0", "0", "1", "1", "2", "2"]  # sessions spread over the copies
