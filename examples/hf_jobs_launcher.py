@@ -20,7 +20,8 @@ GPU layout (`--inference-gpus`, `--tensor-parallel-size`, `--data-parallel`), by
 2 GPUs: vLLM on GPU 0, the learner on GPU 1; 4 GPUs: two vLLM servers on GPUs 0 and 1, a 2-way
 FSDP learner on 2-3; 8 GPUs: four vLLM servers on 0-3, a 4-way FSDP learner on 4-7. Each vLLM
 server is one engine behind the run's proxy, which keeps every agent session on one server (its
-prefix cache); `--data-parallel vllm` makes one server with vLLM's own data parallelism instead.
+prefix cache); `--data-parallel vllm` makes one server with vLLM's own data parallelism instead (the
+proxy keeps each session on one of its copies too; a failure takes them all down at once).
 `--dry-run` prints the job and the exact commands of every GPU group.
 
 By default the job installs this checkout: `submit` builds it into a wheel and ships it with the job
@@ -325,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--tensor-parallel-size", type=int, default=1,
                          help="GPUs per vLLM replica (default: 1; 2 or more for a 32B model on 80 GB cards)")
         sub.add_argument("--data-parallel", choices=("servers", "vllm"), default="servers",
-                         help="replicas as one vLLM server each, every one an engine the proxy keeps sessions on "
-                              "(default), or as one server with vLLM's --data-parallel-size")
+                         help="replicas as one vLLM server each (default; one failing is taken out alone), or as "
+                              "one server with vLLM's --data-parallel-size; either way the proxy keeps a session on "
+                              "one replica")
         sub.add_argument("--vllm-args", default="", help="extra vLLM arguments (one shell-quoted string)")
         sub.add_argument("--output-dir", default=f"{WORK}/run")
         sub.add_argument("--push-to", default=None, help="Hub repo that receives the run directory")
