@@ -24,9 +24,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="GPUs one copy of the model spans (vLLM's flag; default: vLLM's, 1)")
     parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
-                        help="copies of the model inside this one server, vLLM spreading requests over them (vLLM's "
-                             "flag, on GPUs; several servers behind the proxy instead keep each agent session on "
-                             "one copy, for its prefix cache)")
+                        help="copies of the model inside this one server (vLLM's flag, on GPUs); the proxy keeps "
+                             "each agent session on one copy, for its prefix cache")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.set_defaults(run=run, passthrough=[])
 
