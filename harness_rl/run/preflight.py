@@ -60,9 +60,9 @@ def _check_engine(config: RunConfig) -> None:
         raise ConfigError("--engine", "required: embedded, vllm, or the URL of a running engine")
     for url in settings.engine if kind == "url" else ():
         if not re.match(r"^https?://[^/\s]+", url):
-            several = "; several engines must all be URLs" if len(settings.engine) > 1 else ""
-            raise ConfigError("--engine", f"{url!r} is neither embedded, vllm nor an http(s) URL of a running "
-                                          f"engine{several}")
+            raise ConfigError("--engine", f"several engines must all be http(s) URLs of running engines, not {url!r}"
+                              if len(settings.engine) > 1 else
+                              f"{url!r} is neither embedded, vllm nor an http(s) URL of a running engine")
         if [u.rstrip("/") for u in settings.engine].count(url.rstrip("/")) > 1:
             raise ConfigError("--engine", f"{url} is given twice")
     if not model:
