@@ -52,7 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "for vLLM on CUDA (and for a vLLM at a URL), reload (safetensors on disk, vLLM's reload_weights) for "
         "vLLM without CUDA")] = "auto"
     sync_dir: Annotated[str | None, setting("where --weight-sync reload writes the weights (a local disk, "
-                                            "/dev/shm is fastest); none: RUN/weights")] = None
+                                            "/dev/shm is fastest; with several engines, engine-N/ in it for each); "
+                                            "none: RUN/weights")] = None
     vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
                                                "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
