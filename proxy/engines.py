@@ -83,7 +83,6 @@ class Route:
 
     session: Session | None
     upstream: Upstream | None = None
-    rank: int | None = None
     sampled: Upstream | None = None
 
 
@@ -157,7 +156,7 @@ class EnginePool(EngineClient):
         return [u.health(sum(n for (url, _), n in open_sessions.items() if url == u.url)) for u in self.upstreams]
 
     async def _send(self, method: str, path: str, payload: bytes | None, deadline: float | None = None,
-                    stream: bool = False) -> tuple[int, Any, Any]:
+                    stream: bool = False, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
         """One request, to the current call's engine; an engine found dead on the way is taken out and the
         request goes to the session's next engine at once."""
         route = _ROUTE.get()
@@ -169,10 +168,13 @@ class EnginePool(EngineClient):
         try:
             while True:
                 place = self._place_for(route)
-                upstream, route.upstream, route.rank = place.upstream, place.upstream, place.rank
+                upstream = route.upstream = place.upstream
+                sent = dict(headers or {})
+                if place.rank is not None and path == SAMPLE_PATH:  # the data-parallel copy the session stays on
+                    sent[DATA_PARALLEL_RANK_HEADER] = str(place.rank)
                 upstream.in_flight += 1
                 try:
-                    reply = await super()._send(method, path, payload, deadline, stream)
+                    reply = await super()._send(method, path, payload, deadline, stream, sent)
                 except EngineUnreachable as exc:
                     if len(self.upstreams) == 1 or await self._answers(upstream):
                         raise
@@ -187,12 +189,6 @@ class EnginePool(EngineClient):
         finally:
             if token is not None:
                 _ROUTE.reset(token)
-
-    def _headers(self, path: str) -> dict[str, str]:
-        route = _ROUTE.get()
-        if path != SAMPLE_PATH or route is None or route.rank is None:
-            return super()._headers(path)
-        return {**super()._headers(path), DATA_PARALLEL_RANK_HEADER: str(route.rank)}
 
     def _place_for(self, route: Route) -> Place:
         """The session's place while its engine serves; else (a new session, or its engine out) the least loaded
