@@ -16,6 +16,7 @@ Modules, one job each:
   pipeline        one call from admission to a durably recorded turn (and the weight-sync gate)
   sampling        the sampling policy (pinned temperature, truncating knobs neutralised or refused)
   upstream        the engine client: capture fields, retries, timeouts, reply checks
+  engines         several engines as one client: a session stays on its engine, dead or stale engines out
   engine_wire     the engine's reply as msgspec Structs
   session         capture sessions, their registry and trace building
   capture         the capture graph: parents by longest exact token prefix, roles

@@ -22,6 +22,7 @@ from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGuard
+from proxy.engines import bind_session
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
 from proxy.limits import log_left, read_body
@@ -232,6 +233,7 @@ class AgentRoutes:
         await self.engine.served_model()  # learns the engine's context size once it serves
         check_max_tokens(call, self.engine.max_model_len)
         renderer = RENDERERS[call.dialect]
+        bind_session(session)  # this call's engine requests go to the session's engine (proxy.engines)
         gate = self.pipeline.gate
         await gate.enter()
         if not session.admit():

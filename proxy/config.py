@@ -24,8 +24,9 @@ def default_store_dir() -> str:
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    upstream: Annotated[str, setting("engine base URL (vLLM or `harness-rl serve engine`)", flag="--upstream",
-                                   internal=True)] = ""
+    upstream: Annotated[list[str], setting("engine base URL (vLLM or `harness-rl serve engine`); repeat for several "
+                                         "engines: a session stays on one, a new one goes to the least loaded",
+                                         flag="--upstream", internal=True)] = []
     host: Annotated[str, setting("interface the proxy binds", flag="--proxy-host")] = "127.0.0.1"
     port: Annotated[Port, setting("port the proxy binds; 0 for any free one", flag="--proxy-port")] = 0
     advertise_url: Annotated[str | None, setting("proxy base URL handed to agents (needed for cloud sandboxes); "
@@ -72,8 +73,18 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                 "ids it sampled (off: render every prompt from the messages)")] = True
     accept_images: Annotated[bool, setting("forward image parts to the engine (only for models that take them)")] \
         = False
+    engine_check_s: Annotated[Positive, setting("with several engines, how often each is probed (/health, and "
+                                              "/weight_info while it is out), seconds")] = 5.0
     max_turns: Annotated[AtLeastOne | None, setting("model calls per session before the proxy stops the agent, for "
                                                    "sessions that set none", internal=True)] = None
     max_tokens_per_turn: Annotated[AtLeastOne | None, setting(
         "cap on each model call's max_tokens, for sessions that set none; none: up to the engine's context",
         internal=True)] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.upstream, str):  # one engine, written as its URL alone
+            self.upstream = [self.upstream] if self.upstream else []
+        urls = [u.rstrip("/") for u in self.upstream]
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise ValueError(f"engine {twice[0]} is given twice")

@@ -67,13 +67,26 @@ class Recovery(msgspec.Struct, kw_only=True):
     unreadable_files: int = 0  # files that are not a session log (left untouched)
 
 
+class EngineHealth(msgspec.Struct, kw_only=True):
+    """One engine behind the proxy: `serving`, `stale` (alive, waiting for the run's weights) or `down`."""
+
+    url: str
+    state: str
+    version: str | None  # the weight version it reported last
+    reason: str | None  # why it is not serving
+    open_sessions: int  # open sessions bound to it
+    sessions: int  # sessions ever bound to it
+    samples: int  # samples it answered
+    data_parallel: int = 1  # its data-parallel copies (vLLM's --data-parallel-size), each a place sessions stay
+
+
 class Health(msgspec.Struct, kw_only=True):
     status: str
     sessions: int
     paused: bool
     in_flight: int
     policy_version: int | None
-    upstream: str
+    engines: list[EngineHealth]
     recovery: Recovery = msgspec.field(default_factory=Recovery)
     connections: int = 0
     connections_refused: int = 0  # closed at accept: over a budget with no idle unknown connection to close

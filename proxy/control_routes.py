@@ -19,6 +19,7 @@ from harness_rl.trace import FORMATS, TraceFormat, TraceFormatError, TraceValida
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGuard
 from proxy.control_api import Deleted, Health, Paused, PolicyVersion, SessionCreate, SessionInfo, SessionList
+from proxy.engines import EnginePool
 from proxy.errors import ProxyError
 from proxy.limits import read_body
 from proxy.pipeline import CapturePipeline
@@ -43,11 +44,12 @@ def _decode(data: bytes, kind: type[Any]) -> Any:
 
 class ControlRoutes:
     def __init__(self, config: ProxyConfig, admin_token: str, registry: SessionRegistry, pipeline: CapturePipeline,
-                 base_url: Callable[[web.Request], str], guard: ConnectionGuard) -> None:
+                 engines: EnginePool, base_url: Callable[[web.Request], str], guard: ConnectionGuard) -> None:
         self.config = config
         self.admin_token = admin_token
         self.registry = registry
         self.pipeline = pipeline
+        self.engines = engines
         self.base_url = base_url
         self.guard = guard
 
@@ -83,7 +85,7 @@ class ControlRoutes:
         gate = self.pipeline.gate
         return json_response(Health(status="ok", sessions=len(self.registry.by_id), paused=gate.paused,
                                     in_flight=gate.in_flight, policy_version=self.pipeline.announced_version,
-                                    upstream=self.config.upstream, recovery=self.registry.recovery,
+                                    engines=self.engines.health(), recovery=self.registry.recovery,
                                     connections=self.guard.open, connections_refused=self.guard.refused,
                                     connections_evicted=self.guard.evicted))
 
@@ -159,6 +161,7 @@ class ControlRoutes:
         self._admin(request)
         body: PolicyVersion = _decode(await read_body(request, self.config.body_timeout_s), PolicyVersion)
         self.pipeline.announced_version = body.version
+        await self.engines.announce(body.version)
         return json_response(body)
 
 

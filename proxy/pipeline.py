@@ -21,6 +21,7 @@ from proxy.capture import SEP, token_text
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
 from proxy.engine_wire import SamplingParams, WeightVersionSpan
+from proxy.engines import sampled_by
 from proxy.sampling import call_seed
 from proxy.session import Session, TurnCapture
 from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
@@ -139,7 +140,8 @@ class CapturePipeline:
         finish = "tool_calls" if reply.tool_calls and sample.finish_reason == "stop" else sample.finish_reason
         metadata: dict[str, Any] = {"dialect": call.dialect, "model": call.model,
                                     "served_model": self.engine.model or None, "stream": call.stream,
-                                    "harness": harness, "engine_attempts": sample.attempts}
+                                    "harness": harness, "engine_attempts": sample.attempts,
+                                    "engine": sampled_by() or self.engine.url}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
         spans = _version_spans(sample.spans, prepared.version_at_start)

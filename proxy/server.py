@@ -21,32 +21,32 @@ from proxy.agent_routes import AgentRoutes
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGuard
 from proxy.control_routes import ControlRoutes
+from proxy.engines import EnginePool
 from proxy.errors import Dialect, ProxyError, error_body
 from proxy.limits import LINGER_S, RequestHandler, client_left, log_left, send_and_close
 from proxy.pipeline import CapturePipeline
 from proxy.recovery import recover_store
 from proxy.session import SessionRegistry
-from proxy.upstream import EngineClient
 
 log = logging.getLogger("harness_rl.proxy")
 
 
 class Proxy:
-    """The running proxy's state: sessions, the engine client, the capture pipeline and its pause gate."""
+    """The running proxy's state: sessions, the engines (`proxy.engines`), the capture pipeline and its pause gate."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
         self.registry = SessionRegistry(Path(config.store_dir), fsync=config.fsync,
                                         whole_turn_every=config.whole_turn_every)
-        self.engine = EngineClient(config.upstream, timeout_s=config.request_timeout_s, retries=config.retries,
-                                   model=config.upstream_model, max_reply_bytes=int(config.max_reply_mb * 2**20),
-                                   vocab_size=config.vocab_size)
+        self.engine = EnginePool(config.upstream, check_s=config.engine_check_s, timeout_s=config.request_timeout_s,
+                                 retries=config.retries, model=config.upstream_model,
+                                 max_reply_bytes=int(config.max_reply_mb * 2**20), vocab_size=config.vocab_size)
         self.advertise_url = config.advertise_url
         self.guard = ConnectionGuard(config.max_connections, config.max_connections_per_client)
         self.pipeline = CapturePipeline(config, self.engine)
-        self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self._base_url,
-                                     self.guard)
+        self.control = ControlRoutes(config, self.admin_token, self.registry, self.pipeline, self.engine,
+                                     self._base_url, self.guard)
         self.agents = AgentRoutes(config, self.registry, self.engine, self.pipeline, self.guard)
         self.app = self._build_app()
 

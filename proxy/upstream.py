@@ -289,16 +289,16 @@ class EngineClient:
             delay = min(delay * 2, MAX_RETRY_AFTER_S)
 
     async def _send(self, method: str, path: str, payload: bytes | None, deadline: float | None = None,
-                    stream: bool = False) -> tuple[int, Any, Any]:
-        """One request, ended by `deadline` (time.monotonic(); default `timeout_s` from now). With `stream`, a
-        200 reply is returned unread (the response itself, still open)."""
+                    stream: bool = False, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
+        """One request (with `headers` besides its content type), ended by `deadline` (time.monotonic(); default
+        `timeout_s` from now). With `stream`, a 200 reply is returned unread (the response itself, still open)."""
         assert self._http is not None, "EngineClient.start() was not awaited"
         remaining = (deadline - time.monotonic()) if deadline is not None else self.timeout_s
         try:
             if remaining <= 0:
                 raise TimeoutError
             resp = await self._http.request(method, self.url + path, data=payload,
-                                            headers={"Content-Type": "application/json"},
+                                            headers={"Content-Type": "application/json", **(headers or {})},
                                             timeout=aiohttp.ClientTimeout(total=remaining))
             if stream and resp.status == 200:
                 return resp.status, resp, resp.headers

@@ -82,6 +82,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.break_after = None
     fake.aborted.clear()
     fake.derender_steps.clear()
+    fake.ranks.clear()
     return fake
 
 

@@ -75,6 +75,9 @@ class FakeEngine:
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
+    hold_generate: bool = False  # never answer a generate; say on stdout that one arrived
+    data_parallel: int | None = None  # vLLM's data-parallel copies, as its /get_world_size says (None: no route)
+    ranks: list[str | None] = field(default_factory=list)  # each generate's X-data-parallel-rank header
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -143,7 +146,24 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_get("/get_world_size", self._world_size)
         return app
+
+    async def _world_size(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode route: TP x PP (here 1), times the data-parallel copies unless include_dp=false."""
+        if self.data_parallel is None:
+            raise web.HTTPNotFound()
+        include_dp = request.query.get("include_dp", "true") == "true"
+        return web.json_response({"world_size": self.data_parallel if include_dp else 1})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        """The version as vLLM says it: "default" until one is set."""
+        return web.json_response({"weight_version": "default" if self.version is None else str(self.version)})
 
     def _headers(self) -> dict[str, str]:
         return {"x-policy-version": str(self.version)} if self.version is not None else {}
@@ -180,6 +200,10 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if self.keep_requests:
             self.requests.append(body)
+            self.ranks.append(request.headers.get("X-data-parallel-rank"))
+        if self.hold_generate:  # a test kills this engine now, with the call at it
+            print("generate", flush=True)
+            await asyncio.Event().wait()
         scripted = self.script.popleft() if self.script else None
         if scripted is not None and scripted.delay_s:
             await asyncio.sleep(scripted.delay_s)
@@ -331,10 +355,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--hold-generate", action="store_true",
+                        help="never answer a generate; print 'generate' when one arrives (a crash mid-call)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        runner, url = await start_fake_engine(FakeEngine(keep_requests=False), port=args.port)
+        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate)
+        runner, url = await start_fake_engine(fake, port=args.port)
         print(url, flush=True)
         await asyncio.Event().wait()
 

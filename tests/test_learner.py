@@ -239,7 +239,7 @@ def test_every_sync_is_checked_by_sampling_from_the_engine(tiny_model_dir):
     with BackgroundLoop("sync-check") as loop, serve_in_thread(engine) as server:
         for seed, name, sync in ((0, "synced", InProcessSync(engine)), (1, "never synced", NoSync())):
             learner = Learner(tiny_model_dir, config(learning_rate=1e-2, lr_scheduler="constant", warmup_steps=0),
-                              weight_sync=sync, sync_check=EngineSampler(server.url, loop, 1.0))
+                              weight_sync=sync, sync_check=EngineSampler(lambda: [server.url], loop, 1.0))
             measured[name] = learner.step(make_groups(2, seed=seed))
             learner.close()
     engine.close()

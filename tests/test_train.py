@@ -255,6 +255,8 @@ def main_help(argv: list[str]) -> str:
     (["--max-steps", "many"], "--max-steps"),
     (["--learning-rate", "0"], "--learning-rate"),
     (["--engine", "gpu-box"], "--engine"),
+    (["--engine", "http://127.0.0.1:9", "--engine", "embedded"], "--engine"),
+    (["--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9/"], "--engine"),
     (["--engine", "http://127.0.0.1:9"], "--model"),
     (["--weight-sync", "nccl"], "--weight-sync"),
     (["--temperature", "none"], "--temperature"),

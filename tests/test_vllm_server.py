@@ -129,6 +129,17 @@ def test_serve_vllm_prints_the_full_command(tmp_path: Path, capsys: pytest.Captu
     assert printed.count("--logprobs-mode") == 1
 
 
+def test_serve_vllm_passes_tensor_and_data_parallel_sizes_to_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HARNESS_RL_VLLM_PYTHON", sys.executable)
+    assert main(["serve", "vllm", str(model_dir(tmp_path)), "--dry-run", "--tensor-parallel-size", "2",
+                 "--data-parallel-size", "4", "--", "--enforce-eager"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.endswith("--tensor-parallel-size 2 --data-parallel-size 4 --enforce-eager")
+    assert main(["serve", "vllm", str(model_dir(tmp_path)), "--dry-run", "--data-parallel-size", "0"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_arguments_after_a_double_dash_only_go_to_commands_that_take_them(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "engine", "--", "--port", "1"])

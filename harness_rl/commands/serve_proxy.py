@@ -1,4 +1,4 @@
-"""`harness-rl serve proxy`: the intercept proxy in front of one engine (never imports torch).
+"""`harness-rl serve proxy`: the intercept proxy in front of one engine or several (never imports torch).
 
 Its flags are generated from `proxy.config.ProxyConfig`, the same settings a training run's `[proxy]`
 section holds.
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = msgspec.convert(settings, ProxyConfig)
         if not config.upstream:
-            raise ConfigError("--upstream", "required: the engine's base URL (vLLM or `harness-rl serve engine`)")
+            raise ConfigError("--upstream", "required: the engine's base URL (vLLM or `harness-rl serve engine`); "
+                                            "repeat it for several engines")
         token, source = _admin_token(args, config.store_dir)
     except msgspec.ValidationError as exc:
         text, _, where = str(exc).partition(" - at `")
@@ -115,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     config = msgspec.structs.replace(config, admin_token=token)
     if args.engine_check:
         try:
-            require_exact_capture(config.upstream, model=config.upstream_model, min_context=MIN_RUN_CONTEXT,
-                                  weight_sync="none", wait_s=args.engine_wait)
+            for upstream in config.upstream:
+                require_exact_capture(upstream, model=config.upstream_model, min_context=MIN_RUN_CONTEXT,
+                                      weight_sync="none", wait_s=args.engine_wait)
         except EngineNotExact as exc:
             print(f"harness-rl serve proxy: {exc}", file=sys.stderr)
             return 1
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         gen0, gen1, _ = gc.get_threshold()
         gc.set_threshold(gen0, gen1, 1000)
         sessions = len(running.proxy.registry.by_id)
-        print(f"harness-rl proxy on {running.url} -> {config.upstream} (store {config.store_dir}, "
+        print(f"harness-rl proxy on {running.url} -> {', '.join(config.upstream)} (store {config.store_dir}, "
               f"{sessions} sessions recovered; admin token from {source}, {token[:4]}…)", flush=True)
         await stop.wait()
         await running.stop()

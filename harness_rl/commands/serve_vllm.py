@@ -21,6 +21,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="vLLM's interpreter (default: $HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, this one)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the tiny model is built")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="GPUs one copy of the model spans (vLLM's flag; default: vLLM's, 1)")
+    parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                        help="copies of the model inside this one server (vLLM's flag, on GPUs); the proxy keeps "
+                             "each agent session on one copy, for its prefix cache")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.set_defaults(run=run, passthrough=[])
 
@@ -35,12 +40,17 @@ def run(args: argparse.Namespace) -> int:
         vllm_launch,
     )
 
+    parallel = [arg for flag, size in (("--tensor-parallel-size", args.tensor_parallel_size),
+                                       ("--data-parallel-size", args.data_parallel_size))
+                if size is not None for arg in (flag, str(size))]
     try:
+        if any(size is not None and size < 1 for size in (args.tensor_parallel_size, args.data_parallel_size)):
+            raise VllmSetupError("--tensor-parallel-size and --data-parallel-size are at least 1")
         refuse_breaking_flags(args.passthrough)  # before the slow CUDA probe
         model_dir, name = _model(args)
         python = find_vllm_python(args.vllm_python)
         launch = vllm_launch(model_dir, python=python, cuda=has_cuda(python), host=args.host, port=args.port,
-                             served_model_name=name, extra_args=args.passthrough)
+                             served_model_name=name, extra_args=[*parallel, *args.passthrough])
     except VllmSetupError as error:
         print(f"harness-rl serve vllm: {error}", file=sys.stderr)
         return 2

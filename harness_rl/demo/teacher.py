@@ -103,7 +103,7 @@ def teacher_traces(demos: Sequence[Demo], model_dir: Path, output_dir: Path, *, 
     scripts = [script_for(demo, harness) for demo in demos]
     options = harness_options or {}
     sandbox_options = {"network": "proxy-only"} if shutil.which("bwrap") else {}
-    config = RunConfig(engine=EngineConfig(engine="embedded", weight_sync="none"), rollouts=RolloutConfig(
+    config = RunConfig(engine=EngineConfig(engine=["embedded"], weight_sync="none"), rollouts=RolloutConfig(
         harness=harness, num_generations=2, max_concurrent_rollouts=1, agent_timeout_s=AGENT_TIMEOUT_S,
         sandbox_options=sandbox_options, max_tokens_per_turn=MAX_TOKENS_PER_TURN, harness_options=options))
     with Stack.start(config, model_dir, output_dir, [d.task for d in demos], harness=create_harness(harness, **options),

@@ -127,8 +127,17 @@ def resolve_eval(*layers: dict[str, Any]) -> EvalConfig:
 def _merged(layers: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for layer in layers:
-        settings = merge(settings, layer)
+        settings = merge(settings, _engines_listed(layer))
     return settings
+
+
+def _engines_listed(layer: dict[str, Any]) -> dict[str, Any]:
+    """`engine.engine` as a list: one engine may be written as a string (as run configurations before several
+    engines were)."""
+    engine = layer.get("engine")
+    if isinstance(engine, dict) and isinstance(engine.get("engine"), str):
+        return {**layer, "engine": {**engine, "engine": [engine["engine"]]}}
+    return layer
 
 
 def _convert(settings: dict[str, Any], struct: type[StructT]) -> StructT:

@@ -1,13 +1,16 @@
-"""Where a run's rollouts are sampled: its engine settings, starting the engine, and how weights reach it.
+"""Where a run's rollouts are sampled: its engine settings, starting the engines, and how weights reach them.
 
 Three kinds of engine: the embedded engine in this process, vLLM started as a child for the run
-(with `harness-rl serve vllm`'s flags), or a running engine at a URL. Which weight-sync backend a
-run uses is decided here, once (`sync_backend`); the preflight checks the choice against the same
-table (`SYNC_BACKENDS`).
+(with `harness-rl serve vllm`'s flags), or running engines at URLs — one or several, all behind the
+run's one proxy (`proxy.engines` keeps a session on one engine; `run.fanout_sync` pushes each new
+version to every engine at once). Which weight-sync backend an engine takes is decided here, once
+(`sync_backend`); the preflight checks the choice against the same table (`SYNC_BACKENDS`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import shlex
 import sys
 import urllib.error
@@ -24,6 +27,7 @@ from harness_rl.settings import AtLeastOne, setting
 
 if TYPE_CHECKING:
     from harness_rl.learner.weight_sync import WeightSync
+    from proxy.upstream import EngineClient
 
 EngineKind = Literal["embedded", "vllm", "url"]
 # The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
@@ -35,8 +39,11 @@ SYNC_BACKENDS: dict[EngineKind, tuple[str, ...]] = {
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    engine: Annotated[str, setting("embedded (this process, CPU or GPU), vllm (started for the run, as "
-                                   "`harness-rl serve vllm` does), or the URL of a running engine")] = "embedded"
+    engine: Annotated[list[str], setting(
+        "embedded (this process, CPU or GPU), vllm (started for the run, as `harness-rl serve vllm` does), or the "
+        "URL of a running engine; repeat --engine URL for several engines behind the run's proxy (a session stays "
+        "on one, a new one goes to the least loaded, every weight sync reaches all)")] = msgspec.field(
+        default_factory=lambda: ["embedded"])
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves",
                                   required=True)] = ""
@@ -45,7 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "for vLLM on CUDA (and for a vLLM at a URL), reload (safetensors on disk, vLLM's reload_weights) for "
         "vLLM without CUDA")] = "auto"
     sync_dir: Annotated[str | None, setting("where --weight-sync reload writes the weights (a local disk, "
-                                            "/dev/shm is fastest); none: RUN/weights")] = None
+                                            "/dev/shm is fastest; with several engines, engine-N/ in it for each); "
+                                            "none: RUN/weights")] = None
     vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
                                                "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
@@ -54,7 +62,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def kind(self) -> EngineKind:
-        return "embedded" if self.engine == "embedded" else "vllm" if self.engine == "vllm" else "url"
+        return "embedded" if self.engine == ["embedded"] else "vllm" if self.engine == ["vllm"] else "url"
 
 
 class RunStopped(RuntimeError):
@@ -89,20 +97,28 @@ class RunningEngine:
     weights_dir: Path | None = None  # where `reload` writes weights
 
 
-def start_engine(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed: int = 0,
-                 served_model_name: str | None = None, forced_completions: bool = False) -> RunningEngine:
-    """The engine `engine` describes, serving `model_dir` (already resolved: a directory or a hub id).
+def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed: int = 0,
+                  served_model_name: str | None = None, forced_completions: bool = False) -> list[RunningEngine]:
+    """The engines `engine` describes, serving `model_dir` (already resolved: a directory or a hub id).
 
-    `forced_completions` is for the demo's teacher only: a training run never sets it.
+    Engines at URLs are checked (exact capture, the weight-sync routes) but never started or stopped here;
+    with several, each gets its own weights directory. `forced_completions` is for the demo's teacher
+    only: a training run never sets it.
     """
     if engine.kind == "embedded":
-        return _start_embedded(engine, model_dir, seed, served_model_name, forced_completions)
+        return [_start_embedded(engine, model_dir, seed, served_model_name, forced_completions)]
     if engine.kind == "vllm":
-        return _start_vllm(engine, model_dir, run_dir, served_model_name)
-    url = engine.engine.rstrip("/")
+        return [_start_vllm(engine, model_dir, run_dir, served_model_name)]
+    weights_dir = _weights_dir(engine, run_dir)
+    several = len(engine.engine) > 1
+    return [_at_url(engine, url.rstrip("/"), model_dir, weights_dir / f"engine-{i}" if several else weights_dir)
+            for i, url in enumerate(engine.engine)]
+
+
+def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path) -> RunningEngine:
     backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url))
     _require_exact_capture(url, backend)
-    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=_weights_dir(engine, run_dir))
+    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir)
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,
@@ -166,8 +182,32 @@ def _is_harness_rl_engine(url: str) -> bool:
         raise RunStopped(f"engine {url} is not reachable: {exc}") from None
 
 
-def weight_sync_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
-    """The learner's `WeightSync` backend for this engine (not yet gated at the proxy)."""
+def weight_sync_for(engines: list[RunningEngine], loop: BackgroundLoop) -> WeightSync:
+    """The learner's `WeightSync` for the run's engines (not yet gated at the proxy): one engine's backend, or a
+    `FanOutSync` over one backend per engine."""
+    if len(engines) == 1:
+        return _backend_for(engines[0], loop)
+    from harness_rl.run.fanout_sync import FanOutSync
+
+    return FanOutSync([(e.url, functools.partial(_backend_for, e, loop)) for e in engines], loop)
+
+
+def sync_check_for(engines: list[RunningEngine], sync: WeightSync, loop: BackgroundLoop,
+                   temperature: float) -> EngineSampler | None:
+    """What checks the engines' logprobs after each sync: an `EngineSampler` over the engines the last push
+    reached, in turn (none when weights never move)."""
+    from harness_rl.learner.weight_sync import NoSync
+    from harness_rl.run.fanout_sync import FanOutSync
+
+    if isinstance(sync, NoSync):
+        return None
+    if isinstance(sync, FanOutSync):
+        return EngineSampler(lambda: sync.reached, loop, temperature)
+    urls = [engines[0].url]
+    return EngineSampler(lambda: urls, loop, temperature)
+
+
+def _backend_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
     from harness_rl.learner import weight_sync as ws
 
     backend = engine.sync_backend
@@ -185,28 +225,49 @@ def weight_sync_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
 
 
 class EngineSampler:
-    """The learner's view of the engine after a sync (`learner.sync_check.EngineSampler`): a few tokens sampled
-    at the run's temperature after a prompt, through the engine's token-in route, on the run's loop."""
+    """The learner's view of the engines after a sync (`learner.sync_check.EngineSampler`): a few tokens sampled
+    at the run's temperature after a prompt, through an engine's token-in route, on the run's loop.
 
-    def __init__(self, url: str, loop: BackgroundLoop, temperature: float, *, tokens: int = 16,
-                 timeout_s: float = 120.0) -> None:
-        from proxy.upstream import EngineClient
+    `urls()` names the engines that hold the learner's weights now; each check asks the next of them in turn,
+    so over a run every engine is checked."""
 
+    def __init__(self, urls: Callable[[], list[str]], loop: BackgroundLoop, temperature: float, *,
+                 tokens: int = 16, timeout_s: float = 120.0) -> None:
+        self.urls = urls
         self.loop = loop
         self.temperature = temperature
         self.tokens = tokens
-        self.client = EngineClient(url, timeout_s=timeout_s, retries=2)
-        self.loop.run(self.client.start())
+        self.timeout_s = timeout_s
+        self.clients: dict[str, EngineClient] = {}
+        self.checks = 0
 
     def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]:
-        """Ids the engine samples after `prompt`, and their logprobs."""
+        """Ids the next engine samples after `prompt`, and their logprobs (the engine after it if it fails)."""
         from proxy.engine_wire import SamplingParams
+        from proxy.errors import ProxyError
         from proxy.upstream import Rendered
 
+        urls = self.urls()
+        first = self.checks % len(urls)
+        self.checks += 1
+        order = urls[first:] + urls[:first]
         rendered = Rendered(text=b"".join(b"%d," % i for i in prompt), count=len(prompt))
-        sampled = self.loop.run(self.client.generate(rendered, SamplingParams.capturing(
-            temperature=self.temperature, max_tokens=self.tokens, seed=len(prompt))))
+        params = SamplingParams.capturing(temperature=self.temperature, max_tokens=self.tokens, seed=len(prompt))
+        for url in order[:-1]:
+            with contextlib.suppress(ProxyError):
+                sampled = self.loop.run(self._client(url).generate(rendered, params))
+                return sampled.ids, sampled.logps
+        sampled = self.loop.run(self._client(order[-1]).generate(rendered, params))
         return sampled.ids, sampled.logps
 
+    def _client(self, url: str) -> EngineClient:
+        from proxy.upstream import EngineClient
+
+        if url not in self.clients:
+            self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, retries=2)
+            self.loop.run(self.clients[url].start())
+        return self.clients[url]
+
     def close(self) -> None:
-        self.loop.run(self.client.close())
+        for client in self.clients.values():
+            self.loop.run(client.close())

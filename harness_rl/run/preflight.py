@@ -54,9 +54,17 @@ def _check_engine(config: RunConfig) -> None:
     from harness_rl.run.models import run_model
 
     settings = config.engine
-    engine, model, kind = settings.engine, settings.model, settings.kind
-    if kind == "url" and not re.match(r"^https?://[^/\s]+", engine):
-        raise ConfigError("--engine", f"{engine!r} is neither embedded, vllm nor an http(s) URL of a running engine")
+    model, kind = settings.model, settings.kind
+    engine = " --engine ".join(settings.engine)
+    if not settings.engine:
+        raise ConfigError("--engine", "required: embedded, vllm, or the URL of a running engine")
+    for url in settings.engine if kind == "url" else ():
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError("--engine", f"several engines must all be http(s) URLs of running engines, not {url!r}"
+                              if len(settings.engine) > 1 else
+                              f"{url!r} is neither embedded, vllm nor an http(s) URL of a running engine")
+        if [u.rstrip("/") for u in settings.engine].count(url.rstrip("/")) > 1:
+            raise ConfigError("--engine", f"{url} is given twice")
     if not model:
         raise ConfigError("--model", "required: tiny, a local model directory, or the hub id the engine serves")
     if kind == "vllm":

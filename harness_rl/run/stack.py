@@ -1,9 +1,9 @@
-"""The stack every run stands on: an engine, the intercept proxy in front of it, the proxy's control
+"""The stack every run stands on: its engines, the intercept proxy in front of them, the proxy's control
 client and the rollout scheduler, all on one background event loop.
 
 `harness-rl train` (`run.train`), `harness-rl eval` (`run.evaluate`) and the demo's teacher start it
 the same way and close it the same way: rollouts cancelled first by their owner, then the client,
-the proxy, the engine and the loop. A stack that fails half-way through starting closes what it had
+the proxy, the engines and the loop. A stack that fails half-way through starting closes what it had
 started before the error propagates.
 """
 
@@ -20,7 +20,7 @@ import msgspec
 from harness_rl.background import BackgroundLoop
 from harness_rl.outcome import RewardFn, default_reward
 from harness_rl.run.config import RunConfig
-from harness_rl.run.engines import RunningEngine, start_engine
+from harness_rl.run.engines import RunningEngine, start_engines
 from harness_rl.run.models import vocab_size
 from harness_rl.run.presets import BUILT_MODELS
 
@@ -39,7 +39,7 @@ class Stack:
     """A started stack; `close()` stops it (rollouts must be cancelled by whoever runs them, first)."""
 
     loop: BackgroundLoop
-    engine: RunningEngine
+    engines: list[RunningEngine]
     proxy: RunningProxy
     client: ProxyClient
     scheduler: RolloutScheduler
@@ -49,7 +49,7 @@ class Stack:
               harness: Harness | None = None, sandbox_factory: Callable[[], Sandbox] | None = None,
               reward_fn: RewardFn = default_reward, served_model_name: str | None = None,
               forced_completions: bool = False, name: str = "harness-rl-rollouts") -> Stack:
-        """Start the engine `config.engine` describes on `model_dir`, a proxy (its store under `run_dir/proxy`),
+        """Start the engines `config.engine` describes on `model_dir`, a proxy (its store under `run_dir/proxy`),
         its client and a scheduler over `tasks`. `forced_completions` is the demo teacher's, never a run's."""
         from harness_rl.run.rollouts import RolloutScheduler
         from proxy.client import ProxyClient
@@ -58,25 +58,32 @@ class Stack:
         with contextlib.ExitStack() as undo:
             undo.callback(loop.close)
             served = served_model_name or (config.engine.model if config.engine.model in BUILT_MODELS else None)
-            engine = start_engine(config.engine, model_dir, run_dir, seed=config.seed, served_model_name=served,
-                                  forced_completions=forced_completions)
-            undo.callback(engine.close)
+            engines = start_engines(config.engine, model_dir, run_dir, seed=config.seed, served_model_name=served,
+                                    forced_completions=forced_completions)
+            for engine in engines:
+                undo.callback(engine.close)
             proxy_config = msgspec.structs.replace(
-                config.proxy, upstream=engine.url, store_dir=str(run_dir / "proxy"),
-                vocab_size=config.proxy.vocab_size or vocab_size(engine.model_dir))
+                config.proxy, upstream=[e.url for e in engines], store_dir=str(run_dir / "proxy"),
+                vocab_size=config.proxy.vocab_size or vocab_size(engines[0].model_dir))
             proxy = loop.run(_start_proxy(proxy_config), timeout=120)
             undo.callback(lambda: loop.run(proxy.stop(), timeout=60))
             client = ProxyClient(proxy.url, proxy.admin_token)
             scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory,
                                          seed=config.seed)
             undo.pop_all()
-        return cls(loop, engine, proxy, client, scheduler)
+        return cls(loop, engines, proxy, client, scheduler)
+
+    @property
+    def engine(self) -> RunningEngine:
+        """The first engine (the only one, unless the run samples from several engines at URLs)."""
+        return self.engines[0]
 
     def close(self) -> None:
-        """Stop the client, the proxy, the engine and the loop, each even if one before it failed."""
+        """Stop the client, the proxy, the engines and the loop, each even if one before it failed."""
         with contextlib.ExitStack() as closing:
             closing.callback(self.loop.close)
-            closing.callback(self.engine.close)
+            for engine in self.engines:
+                closing.callback(engine.close)
             closing.callback(lambda: self.loop.run(self.proxy.stop(), timeout=60))
             closing.callback(lambda: self.loop.run(self.client.close(), timeout=30))
 

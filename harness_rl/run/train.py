@@ -144,8 +144,7 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
     from adapters.tasks import load_tasks
     from harness_rl.learner.checkpoint import latest_checkpoint
     from harness_rl.learner.learner import Learner
-    from harness_rl.learner.weight_sync import NoSync
-    from harness_rl.run.engines import EngineSampler, weight_sync_for
+    from harness_rl.run.engines import sync_check_for, weight_sync_for
     from harness_rl.run.metrics import MetricsLogger
     from harness_rl.run.proxy_gate import ProxyGate
     from harness_rl.run.run_files import RunFiles
@@ -163,14 +162,14 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         (output_dir / "config.toml").write_text(to_toml(config))
         engine, loop = stack.engine, stack.loop
         temperature = config.proxy.sampling.temperature or 1.0
-        sync = weight_sync_for(engine, loop)
+        sync = weight_sync_for(stack.engines, loop)
         gated: WeightSync = ProxyGate(sync, stack.client, loop)
         if config.rollouts.lockstep:
             gated = LockstepSync(gated, stack.scheduler, loop)
         learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
                           weight_sync=gated, output_dir=output_dir,
                           save_total_limit=config.output.save_total_limit,
-                          sync_check=None if isinstance(sync, NoSync) else EngineSampler(engine.url, loop, temperature))
+                          sync_check=sync_check_for(stack.engines, sync, loop, temperature))
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:
             state = learner.load(checkpoint)
