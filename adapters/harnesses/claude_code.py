@@ -27,8 +27,11 @@ class ClaudeCodeHarness(Harness):
     dialect = "anthropic-messages"
     package = Package("npm", "@anthropic-ai/claude-code", "2.1.197", "claude")
 
-    def __init__(self, api_timeout_ms: int = 600000) -> None:
+    def __init__(self, api_timeout_ms: int = 600000, disallowed_tools: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.api_timeout_ms = api_timeout_ms
+        self.disallowed_tools = list(DISALLOWED_TOOLS if disallowed_tools is None else disallowed_tools)
+        self.env = env or {}
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         config_dir = PurePosixPath(sandbox.home) / ".claude"
@@ -49,6 +52,7 @@ class ClaudeCodeHarness(Harness):
             API_TIMEOUT_MS=str(self.api_timeout_ms),
             IS_SANDBOX="1",
             **models,
+            **self.env,
         )
         settings = {
             "env": {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"},
@@ -58,7 +62,7 @@ class ClaudeCodeHarness(Harness):
         argv = [
             self.binary(sandbox), "--print", "--verbose", "--output-format", "stream-json",
             "--permission-mode", "bypassPermissions", "--model", endpoint.model,
-            "--disallowedTools", *DISALLOWED_TOOLS, "--", instruction,
+            *(["--disallowedTools", *self.disallowed_tools] if self.disallowed_tools else []), "--", instruction,
         ]
         return Launch(argv=argv, env=env, files={str(config_dir / "settings.json"): json.dumps(settings)})
 

@@ -39,8 +39,9 @@ class CodexHarness(Harness):
     dialect = "openai-responses"
     package = Package("npm", "@openai/codex", "0.171.0", "codex")
 
-    def __init__(self, context_tokens: int = 65536) -> None:
+    def __init__(self, context_tokens: int = 65536, auto_compact_tokens: int | None = None) -> None:
         self.context_tokens = context_tokens
+        self.auto_compact_tokens = auto_compact_tokens
 
     def config(self, endpoint: Endpoint) -> str:
         lines = [
@@ -49,6 +50,7 @@ class CodexHarness(Harness):
             'web_search = "disabled"',
             "check_for_update_on_startup = false",
             f"model_context_window = {self.context_tokens}",
+            *([f"model_auto_compact_token_limit = {self.auto_compact_tokens}"] if self.auto_compact_tokens else []),
             "",
             f"[model_providers.{PROVIDER_ID}]",
             'name = "harness-rl proxy"',
