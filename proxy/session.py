@@ -259,7 +259,8 @@ class Session:
         return TraceSnapshot(self.id, parents, roles, rows, metadata)
 
     def trace(self) -> TrainingTrace:
-        """The session's `TrainingTrace`, with parents, roles and branches from the capture graph (not validated here)."""
+        """The session's `TrainingTrace`, with parents, roles and branches from the capture graph (not validated
+        here)."""
         return self.snapshot().build()
 
 

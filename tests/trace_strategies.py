@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness_rl.trace import BRANCH_REASONS, ROLES, Branch, Reply, Request, Sampling, ToolCall, TrainingTrace, Turn, VersionSpan
+from harness_rl.trace import (
+    BRANCH_REASONS,
+    ROLES,
+    Branch,
+    Reply,
+    Request,
+    Sampling,
+    ToolCall,
+    TrainingTrace,
+    Turn,
+    VersionSpan,
+)
 
 token_ids = st.lists(st.integers(min_value=0, max_value=200_000), max_size=12)
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False, allow_infinity=False)

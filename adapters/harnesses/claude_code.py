@@ -8,6 +8,11 @@ Non-essential traffic, telemetry, error reporting and the auto-updater are off; 
 header is off in `settings.json`. `CLAUDE_CONFIG_DIR` lives in the sandbox's private home, and
 `IS_SANDBOX=1` lets bypass-permissions mode run as root. The run prints `stream-json` events we
 read tool calls and the final result from.
+
+Options (`harness_options`): `disallowed_tools` (default WebFetch, WebSearch and Task; pass the list
+without Task to let the agent hand work to subagents) and `env`, Claude Code's own settings for the
+run, e.g. `{"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "43"}` to
+compact its context at 43 % of a 100k window (minus its output reserve) instead of near 200k.
 """
 
 from __future__ import annotations

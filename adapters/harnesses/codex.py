@@ -11,6 +11,10 @@ Wiring (measured against a scripted server; notes in tests/fixtures/agents/codex
   `write_stdin`, `request_user_input`, `view_image`.
 - `codex exec --json --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check` runs
   unattended (the sandbox is ours) and prints one JSON event per line.
+
+Options: `context_tokens` (the model's context window codex assumes) and `auto_compact_tokens`
+(`model_auto_compact_token_limit`: past this many tokens codex asks the model for a handoff summary
+and goes on in a fresh conversation that carries it; none: codex's own default).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from harness_rl.trace.training_trace import (
 from harness_rl.trace.turn import (
     BRANCH_REASONS,
     DUPLICATE_NODE_ID,
-    INVALID_LOGPROB,
     INVALID_BRANCH,
+    INVALID_LOGPROB,
     INVALID_LOSS_MASK,
     INVALID_NODE_ID,
     INVALID_POLICY_VERSION,

@@ -3,9 +3,9 @@
 A `Turn` is one engine call: the engine's exact prompt and completion token ids, behaviour logprobs
 and a loss mask, its place in the capture graph (`parent_id`, `role`), and what it records besides
 (`TurnRecord`: the policy version that sampled it, how its prompt was made, the sampling applied,
-the branch it belongs to, timestamps). Validation fails closed: `find_violations` lists every broken rule by name (OpenEnv's
-finding names where the rule is shared); `TrainingTrace.validate()` raises `TraceValidationError`
-holding them all.
+the branch it belongs to, timestamps). Validation fails closed: `find_violations` lists every broken
+rule by name (OpenEnv's finding names where the rule is shared); `TrainingTrace.validate()` raises
+`TraceValidationError` holding them all.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import msgspec
 from harness_rl.learner.rows import completion_mask
 from harness_rl.trace import Request, TraceFormatError, TrainingTrace, Turn
 from harness_rl.viewer.model import (
+    BranchView,
     Chart,
     MessageView,
     PrefixBreakView,
@@ -43,6 +44,9 @@ CHARTS = (
           keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"],
           labels=["max", "mean"]),
     Chart(title="After each sync |Δ logprob|", keys=["sync/logp_difference_max"]),
+    Chart(title="Tool calls per rollout", keys=["tools/call_frequency"]),
+    Chart(title="Tool failure rate", keys=["tools/failure_frequency"]),
+    Chart(title="Verifier reward (with --reward-fn)", keys=["rollout/correctness_mean"]),
 )
 MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a note saying how much
 BREAK_WINDOW = 8  # tokens shown on each side of a prefix break
@@ -184,7 +188,8 @@ def _rollout_from_row(row: dict[str, Any]) -> RolloutView:
         reward=_number(row.get("reward")), env_reward=_number(row.get("env_reward")),
         advantage=_number(row.get("advantage")), error=row.get("error") or None,
         timed_out=bool(row.get("timed_out")), exit_code=_integer(row.get("exit_code")),
-        tool_call_count=_integer(row.get("tool_call_count")), turn_count=_integer(row.get("turns")) or 0,
+        tool_call_count=_integer(row.get("tool_call_count")),
+        tool_failure_count=_integer(row.get("tool_failure_count")), turn_count=_integer(row.get("turns")) or 0,
         duration_s=_number(row.get("duration_s")),
     )
 
@@ -237,6 +242,8 @@ def _turn_view(turn: Turn, by_id: dict[str, Turn], tokens: TokenText | None, tex
     delivered = turn.delivered
     return TurnView(
         node_id=turn.node_id, parent_id=turn.parent_id, role=turn.role, policy_version=turn.policy_version,
+        branch=BranchView(id=turn.branch.id, reason=turn.branch.reason, origin=turn.branch.origin)
+        if turn.branch is not None else None,
         finish_reason=turn.finish_reason, prompt_source=turn.prompt_source,
         prefix_break=prefix_break, delivered=bool(delivered),
         prompt_tokens=len(turn.prompt_token_ids), new_prompt_tokens=len(new_prompt),

@@ -40,10 +40,19 @@ class PrefixBreakView(msgspec.Struct, kw_only=True, omit_defaults=True):
     theirs: list[int] = []
 
 
+class BranchView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The conversation a turn belongs to (`harness_rl.trace.Branch`)."""
+
+    id: int
+    reason: str
+    origin: str | None = None  # node id of the turn it began from
+
+
 class TurnView(msgspec.Struct, kw_only=True, omit_defaults=True):
     node_id: str
     parent_id: str | None = None
     role: str
+    branch: BranchView | None = None
     policy_version: int | None = None
     finish_reason: str | None = None
     prompt_source: str | None = None  # "spliced" | "rendered" | None (not recorded)
@@ -75,6 +84,7 @@ class RolloutView(msgspec.Struct, kw_only=True, omit_defaults=True):
     timed_out: bool = False
     exit_code: int | None = None
     tool_call_count: int | None = None
+    tool_failure_count: int | None = None
     turn_count: int = 0
     duration_s: float | None = None
     turns: list[TurnView] | None = None  # None: no trace (not recorded, not embedded, or unreadable)
