@@ -8,15 +8,17 @@ calls at once. The first pass (`proxy.capture`) links each turn to its parent by
 and gives roles; this one reads what the token graph cannot see, the texts:
 
 - a *summary* is a call nobody continued, whose reply (its whole text, or one of its lines of at least
-  `MIN_QUOTED` characters) a later new conversation carries in its messages; that call's role becomes
-  `summary` and the conversation is a `compaction` branch;
+  `MIN_QUOTED` characters) a later new conversation carries in its messages (tool results aside: that
+  is where a subagent's report goes); that call's role becomes `summary` and the conversation is a
+  `compaction` branch;
 - a *subagent* is a new conversation whose first user message holds a string argument (at least
   `MIN_QUOTED` characters) of a tool call the agent made earlier.
 
 Then every turn gets its `Branch`: a turn continues its parent's branch when it is the child that
-went on (an agent turn before a summary before an auxiliary call before a discarded retry; the
-earliest among equals); any other turn begins a new branch, and `Branch.reason` says why. Branches
-are numbered in the order they began. Only the trace's own turns are read, so the pass is a
+went on (an agent turn before a summary before an auxiliary call before a discarded retry; then one
+the agent continued; the earliest among equals); the same request sent again is a `retry` unless it
+is the one the agent went on from; any other turn begins a new branch, and `Branch.reason` says why.
+Branches are numbered in the order they began. Only the trace's own turns are read, so the pass is a
 function of the set of turns, like the first.
 """
 
@@ -36,11 +38,10 @@ _PREFERENCE = {"agent": 0, "summary": 1, "auxiliary": 2, "discarded": 3}
 def classify(turns: list[Turn]) -> None:
     """Mark summary calls and set every turn's `branch` (in place)."""
     ordered = sorted(turns, key=lambda t: t.started_at or 0.0)  # stable: arrival order among equal times
-    children: dict[str, list[Turn]] = {}
+    children: dict[str | None, list[Turn]] = {}
     for turn in ordered:
-        if turn.parent_id is not None:
-            children.setdefault(turn.parent_id, []).append(turn)
-    roots = [turn for turn in ordered if turn.parent_id is None]
+        children.setdefault(turn.parent_id, []).append(turn)  # roots are the children of None
+    roots = children.get(None, [])
     carried = {root.node_id: summary for root in roots
                if (summary := _summary_carried(root, ordered, children)) is not None}
     for summary in carried.values():
@@ -49,25 +50,29 @@ def classify(turns: list[Turn]) -> None:
     began = 0
     main_seen = False
     for turn in ordered:
+        siblings = children[turn.parent_id]
+        retried = [s for s in siblings if s.prompt_token_ids == turn.prompt_token_ids]  # itself included
         parent = branches.get(turn.parent_id) if turn.parent_id is not None else None
-        siblings = children.get(turn.parent_id, []) if turn.parent_id is not None else []
-        if parent is not None and turn is _continuing(siblings):
+        if len(retried) > 1 and turn is not _continuing(retried, children):
+            reason, origin = "retry", _continuing(retried, children).node_id
+        elif parent is not None and turn is _continuing(siblings, children):
             branches[turn.node_id] = parent
             continue
-        if parent is None:
+        elif turn.parent_id is None:
             reason, origin = _root_reason(turn, ordered, carried.get(turn.node_id), main_seen)
             main_seen = main_seen or reason == "main"
         else:
-            reason, origin = _fork_reason(turn, siblings)
+            reason, origin = _fork_reason(turn)
         branches[turn.node_id] = Branch(id=began, reason=reason, origin=origin)
         began += 1
     for turn in turns:
         turn.branch = branches[turn.node_id]
 
 
-def _continuing(siblings: list[Turn]) -> Turn:
-    """The child its parent's conversation went on with."""
-    return min(siblings, key=lambda t: _PREFERENCE.get(t.role, 4))  # min keeps the earliest among equals
+def _continuing(siblings: list[Turn], children: dict[str | None, list[Turn]]) -> Turn:
+    """The child the conversation went on with: by role (an agent turn before a summary before a side call before
+    a discarded retry), then one that was itself continued, then the earliest."""
+    return min(siblings, key=lambda t: (_PREFERENCE.get(t.role, 4), t.node_id not in children))
 
 
 def _root_reason(turn: Turn, ordered: list[Turn], summary: Turn | None,
@@ -89,10 +94,7 @@ def _root_reason(turn: Turn, ordered: list[Turn], summary: Turn | None,
     return "conversation", None
 
 
-def _fork_reason(turn: Turn, siblings: list[Turn]) -> tuple[BranchReason, str | None]:
-    same = [s for s in siblings if s is not turn and s.prompt_token_ids == turn.prompt_token_ids]
-    if same:
-        return "retry", min(same, key=lambda t: _PREFERENCE.get(t.role, 4)).node_id
+def _fork_reason(turn: Turn) -> tuple[BranchReason, str | None]:
     if turn.role == "summary":
         return "summary", turn.parent_id
     if turn.role == "auxiliary":
@@ -102,7 +104,7 @@ def _fork_reason(turn: Turn, siblings: list[Turn]) -> tuple[BranchReason, str | 
     return "fork", turn.parent_id
 
 
-def _summary_carried(root: Turn, ordered: list[Turn], children: dict[str, list[Turn]]) -> Turn | None:
+def _summary_carried(root: Turn, ordered: list[Turn], children: dict[str | None, list[Turn]]) -> Turn | None:
     """The newest earlier call nobody continued whose reply this new conversation carries, if any."""
     messages = root.request.messages or []
     haystack: str | None = None
@@ -117,7 +119,7 @@ def _summary_carried(root: Turn, ordered: list[Turn], children: dict[str, list[T
         if len(messages) > len(before) and messages[:len(before)] == before:
             continue  # this conversation goes on from that call: not a summary carried into a new one
         if haystack is None:
-            haystack = "\n".join(_text(m.get("content")) for m in messages)
+            haystack = "\n".join(_text(m.get("content")) for m in messages if m.get("role") != "tool")
         if text in haystack or any(line in haystack for line in quoted):
             return earlier
     return None
