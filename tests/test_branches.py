@@ -173,7 +173,8 @@ def test_calls_at_once_keep_their_chains(fake_proxy: RunningProxy, fake_engine: 
     assert sorted(by_reason) == ["fork", "main", "side_call"]
     chain = by_reason["main"]
     assert [t.role for t in chain] == ["agent"] * 3
-    assert all(b.parent_id == a.node_id and b.prompt_source == "spliced" for a, b in zip(chain, chain[1:], strict=False))
+    assert all(b.parent_id == a.node_id and b.prompt_source == "spliced"
+               for a, b in zip(chain, chain[1:], strict=False))
     (fork,) = by_reason["fork"]
     assert fork.parent_id == chain[0].node_id == fork.branch.origin and fork.role == "agent"
     assert [t.role for t in by_reason["side_call"]] == ["auxiliary"]
