@@ -53,6 +53,8 @@ def classify(turns: list[Turn]) -> None:
         siblings = children[turn.parent_id]
         retried = [s for s in siblings if s.prompt_token_ids == turn.prompt_token_ids]  # itself included
         parent = branches.get(turn.parent_id) if turn.parent_id is not None else None
+        reason: BranchReason
+        origin: str | None
         if len(retried) > 1 and turn is not _continuing(retried, children):
             reason, origin = "retry", _continuing(retried, children).node_id
         elif parent is not None and turn is _continuing(siblings, children):
