@@ -117,3 +117,22 @@ def test_a_run_whose_reward_fn_returns_text_stops_with_one_line(tmp_path: Path) 
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[0].startswith("harness-rl train: stopped: --reward-fn my_rewards:wordy returned 'great' (str); "
                                "expected a finite number or None (rollout g")
+
+
+def test_train_roles_and_reward_fn_are_settings_that_load_back(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from harness_rl.run.config import load_file, resolve
+
+    assert main(["train", "--print-config", "--train-roles", "agent", "--train-roles", "summary",
+                 "--reward-fn", EXAMPLE]) == 0
+    printed = capsys.readouterr().out
+    assert "train_roles = [" in printed and f'reward_fn = "{EXAMPLE}"' in printed
+    (tmp_path / "run.toml").write_text(printed)
+    config = resolve(load_file(tmp_path / "run.toml"))
+    assert config.learner.train_roles == ["agent", "summary"] and config.rollouts.reward_fn == EXAMPLE
+    assert resolve({}).learner.train_roles == ["agent"]
+    with pytest.raises(ConfigError, match="--train-roles"):
+        resolve({"learner": {"train_roles": []}})
+    with pytest.raises(SystemExit):
+        main(["train", "--print-config", "--train-roles", "discarded"])
+    assert "invalid choice: 'discarded'" in capsys.readouterr().err
