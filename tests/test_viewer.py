@@ -175,6 +175,13 @@ def test_prompt_source_and_prefix_break_are_shown(fixture_run: FixtureRun, tiny_
     assert all(str(i) in tokens.vocab for i in found.ours + found.theirs)
 
 
+def test_branches_are_embedded_with_their_reason_and_origin(fixture_run: FixtureRun):
+    trace = fixture_run.traces["s001-g1-r0"]  # main (two turns), a title side call, a dropped retry
+    views = turn_views(trace, None, Texts())
+    assert [(v.branch.id, v.branch.reason, v.branch.origin) for v in views] == [
+        (0, "main", None), (0, "main", None), (1, "side_call", None), (2, "retry", "t1")]
+
+
 def test_serve_answers_the_page_on_loopback(fixture_run: FixtureRun, tmp_path: Path):
     page = tmp_path / "served.html"
     server = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "view", str(fixture_run.path), "-o", str(page),
