@@ -38,12 +38,13 @@ _PREFERENCE = {"agent": 0, "summary": 1, "auxiliary": 2, "discarded": 3}
 def classify(turns: list[Turn]) -> None:
     """Mark summary calls and set every turn's `branch` (in place)."""
     ordered = sorted(turns, key=lambda t: t.started_at or 0.0)  # stable: arrival order among equal times
+    before = {turn.node_id: ordered[:i] for i, turn in enumerate(ordered) if turn.parent_id is None}
     children: dict[str | None, list[Turn]] = {}
     for turn in ordered:
         children.setdefault(turn.parent_id, []).append(turn)  # roots are the children of None
     roots = children.get(None, [])
     carried = {root.node_id: summary for root in roots
-               if (summary := _summary_carried(root, ordered, children)) is not None}
+               if (summary := _summary_carried(root, before[root.node_id], children)) is not None}
     for summary in carried.values():
         summary.role = "summary"
     branches: dict[str, Branch] = {}
@@ -61,7 +62,7 @@ def classify(turns: list[Turn]) -> None:
             branches[turn.node_id] = parent
             continue
         elif turn.parent_id is None:
-            reason, origin = _root_reason(turn, ordered, carried.get(turn.node_id), main_seen)
+            reason, origin = _root_reason(turn, before[turn.node_id], carried.get(turn.node_id), main_seen)
             main_seen = main_seen or reason == "main"
         else:
             reason, origin = _fork_reason(turn)
@@ -77,7 +78,7 @@ def _continuing(siblings: list[Turn], children: dict[str | None, list[Turn]]) ->
     return min(siblings, key=lambda t: (_PREFERENCE.get(t.role, 4), t.node_id not in children))
 
 
-def _root_reason(turn: Turn, ordered: list[Turn], summary: Turn | None,
+def _root_reason(turn: Turn, earlier: list[Turn], summary: Turn | None,
                  main_seen: bool) -> tuple[BranchReason, str | None]:
     against = turn.prefix_break.against if turn.prefix_break is not None else None
     if turn.role == "summary":
@@ -86,7 +87,7 @@ def _root_reason(turn: Turn, ordered: list[Turn], summary: Turn | None,
         return "compaction", summary.node_id
     if turn.role == "auxiliary":
         return "side_call", None
-    spawner = _spawned_by(turn, ordered)
+    spawner = _spawned_by(turn, earlier)
     if spawner is not None:
         return "subagent", spawner.node_id
     if not main_seen:
@@ -106,13 +107,14 @@ def _fork_reason(turn: Turn) -> tuple[BranchReason, str | None]:
     return "fork", turn.parent_id
 
 
-def _summary_carried(root: Turn, ordered: list[Turn], children: dict[str | None, list[Turn]]) -> Turn | None:
+def _summary_carried(root: Turn, earlier_turns: list[Turn], children: dict[str | None, list[Turn]]) -> Turn | None:
     """The newest earlier call nobody continued whose reply this new conversation carries, if any."""
     messages = root.request.messages or []
     haystack: str | None = None
-    for earlier in reversed(ordered[:ordered.index(root)]):
+    for earlier in reversed(earlier_turns):
         text = (earlier.reply.content or "").strip() if earlier.reply is not None else ""
-        if not text or earlier.reply is None or earlier.reply.tool_calls or earlier.node_id in children:
+        if (not text or earlier.reply is None or earlier.reply.tool_calls or earlier.node_id in children
+                or earlier.role == "discarded"):
             continue
         quoted = [line for line in map(str.strip, text.splitlines()) if len(line) >= MIN_QUOTED]
         if len(text) < MIN_QUOTED // 2 and not quoted:
@@ -127,14 +129,14 @@ def _summary_carried(root: Turn, ordered: list[Turn], children: dict[str | None,
     return None
 
 
-def _spawned_by(root: Turn, ordered: list[Turn]) -> Turn | None:
+def _spawned_by(root: Turn, earlier_turns: list[Turn]) -> Turn | None:
     """The newest earlier call with a tool call whose string argument this conversation's first user message
     holds: the agent wrote this conversation's task."""
     first_user = next((m for m in root.request.messages or () if m.get("role") == "user"), None)
     if first_user is None:
         return None
     text = _text(first_user.get("content"))
-    for earlier in reversed(ordered[:ordered.index(root)]):
+    for earlier in reversed(earlier_turns):
         for call in earlier.reply.tool_calls if earlier.reply is not None else ():
             if any(len(value) >= MIN_QUOTED and value in text for value in _strings(call.arguments)):
                 return earlier
