@@ -15,7 +15,10 @@ completions, as the CLI tests do, and a context limit small enough that it reall
 Every rollout's trace is checked (valid, every branch's later turns chained onto their predecessor)
 and its rows built twice, with the default `--train-roles agent` and with `agent summary`. Printed per
 CLI: rows per rollout, the branches and why they began, later turns chained, and the share of sampled
-tokens that train, by role and branch; then the machine's load average.
+tokens that train, by role and branch; then the machine's load average. Side by side, the reference:
+TRL 1.16's harness trainer turning the same captured turns (OpenEnv's export, as it fetches them) into
+rows with its reconciler (`_chain_to_sequences`, lossless: any drift forks), which reads a rollout's
+turns as one line: rows and forwarded tokens for the same trained tokens.
 
     python benchmarks/branches_bench.py [--rollouts 3] [--only claude-code]
 
@@ -44,6 +47,7 @@ from harness_rl.learner.rows import trace_rows, trained_share
 from harness_rl.outcome import RolloutOutcome
 from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
 from harness_rl.run.stack import serve_proxy
+from harness_rl.trace import TrainingTrace
 from harness_rl.trace.stats import trace_stats
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
@@ -118,6 +122,9 @@ class Tally:
     chained: int = 0
     share: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (role, branch): [sampled, trained]
     share_with_summary: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    forwarded: int = 0  # tokens of our rows (default train roles)
+    trained: int = 0
+    trl: list[int] = field(default_factory=list)  # TRL's reconciler on the same turns: rows, forwarded, trained
     problems: list[str] = field(default_factory=list)
 
     def add(self, outcome: RolloutOutcome, seconds: float, leftover: dict[str, list[str]]) -> None:
@@ -137,6 +144,12 @@ class Tally:
             if turn.branch is not None:
                 first.setdefault(turn.branch.id, turn.branch.reason)
         self.reasons.append(tuple(reason for _, reason in sorted(first.items())))
+        rows = trace_rows(trace)
+        self.forwarded += sum(len(row) for row in rows)
+        self.trained += sum(row.n_trained for row in rows)
+        reference = trl_rows(trace)
+        if reference is not None:
+            self.trl = [a + b for a, b in zip(self.trl or [0, 0, 0], reference, strict=True)]
         for roles, rows_list, share in ((("agent",), self.rows, self.share),
                                         (("agent", "summary"), self.rows_with_summary, self.share_with_summary)):
             rows = trace_rows(trace, roles)
@@ -145,6 +158,18 @@ class Tally:
                 entry = share.setdefault(key, [0, 0])
                 entry[0] += sampled
                 entry[1] += trained
+
+
+def trl_rows(trace: TrainingTrace) -> tuple[int, int, int] | None:
+    """TRL 1.16's rows for the trace's turns (rows, forwarded tokens, trained tokens); None without TRL."""
+    try:
+        from trl.experimental.async_grpo.async_rollout_worker import TurnRecord, _chain_to_sequences
+    except ImportError:
+        return None
+    turns = [TurnRecord(t["prompt_token_ids"], t["completion_token_ids"], t["per_token_logps"],
+                        t["loss_mask"][len(t["prompt_token_ids"]):]) for t in trace.to_openenv()["turns"]]
+    sequences, _ = _chain_to_sequences(turns, trace.rollout_id, 0)
+    return len(sequences), sum(len(s.input_ids) for s in sequences), sum(sum(s.completion_mask) for s in sequences)
 
 
 async def run_rollout(proxy: Any, scenario: Scenario) -> RolloutOutcome:
@@ -182,6 +207,11 @@ def report(tallies: dict[str, Tally]) -> None:
             print(f"  branches {' · '.join(reasons)}  (x{count})")
         print(f"  rows per rollout: {tally.rows} (agent), {tally.rows_with_summary} (agent + summary)")
         print(f"  later turns chained onto their branch's previous turn: {tally.chained}/{tally.later}")
+        if tally.trl:
+            rows, forwarded, trained = tally.trl
+            print(f"  ours: {sum(tally.rows)} rows, {tally.forwarded:,} forwarded tokens for {tally.trained} trained; "
+                  f"TRL 1.16 reconciler: {rows} rows, {forwarded:,} forwarded for {trained} trained "
+                  f"({forwarded / max(tally.forwarded, 1):.2f}x the tokens)")
         for label, share in (("agent", tally.share), ("agent + summary", tally.share_with_summary)):
             sampled = sum(s for s, _ in share.values())
             trained = sum(t for _, t in share.values())

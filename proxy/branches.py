@@ -52,7 +52,7 @@ def classify(turns: list[Turn]) -> None:
     main_seen = False
     for turn in ordered:
         siblings = children[turn.parent_id]
-        retried = [s for s in siblings if s.prompt_token_ids == turn.prompt_token_ids]  # itself included
+        retried = [s for s in siblings if s is turn or s.prompt_token_ids == turn.prompt_token_ids]  # itself too
         parent = branches.get(turn.parent_id) if turn.parent_id is not None else None
         reason: BranchReason
         origin: str | None

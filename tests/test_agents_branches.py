@@ -4,6 +4,7 @@ its own chained row, every agent token trains, summaries train only when asked, 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ def load_bench():
     spec = importlib.util.spec_from_file_location("branches_bench", BENCH)
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through it
     spec.loader.exec_module(bench)
     return bench
 
