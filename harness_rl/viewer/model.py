@@ -64,7 +64,8 @@ class TurnView(msgspec.Struct, kw_only=True, omit_defaults=True):
     ids: list[int]  # completion token ids
     logps: list[float]  # behaviour logprobs, one per completion token
     learner_logps: list[float] | None = None
-    mask: str  # what the learner trains, one "0"/"1" per completion token (the loss mask; all 0 off agent turns)
+    mask: str  # what the learner trains, one "0"/"1" per completion token (the loss mask; all 0 off the run's
+    # train roles, by default every turn but the agent's own)
     messages: list[MessageView] = []  # request messages past those the parent's request already held
     message_count: int = 0  # all request messages
     reply: ReplyView | None = None

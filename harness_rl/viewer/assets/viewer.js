@@ -382,7 +382,7 @@
     }
     const r = D.rollouts[state.selected];
     const turns = r.turns || [];
-    const trained = turns.reduce((a, t) => a + (t.role === "agent" ? [...t.mask].filter((m) => m === "1").length : 0), 0);
+    const trained = turns.reduce((a, t) => a + [...t.mask].filter((m) => m === "1").length, 0);
     const chips = [];
     if (r.step != null) chips.push(`<span class="chip">step <b>${num(r.step)}</b></span>`);
     if (r.group_id != null) chips.push(`<span class="chip">group <b>${num(r.group_id)}</b></span>`);
