@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,9 @@ def test_tool_usage_equals_a_hand_count() -> None:
 
 
 def test_one_conversation_counts_exactly_as_trls_harness_trainer() -> None:
-    harness = pytest.importorskip("trl.experimental.async_grpo.openenv_harness")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "you are importing from trl.experimental"
+        harness = pytest.importorskip("trl.experimental.async_grpo.openenv_harness")
     trace = fixture_trace()
     trace.turns = [t for t in trace.turns if t.branch is not None and t.branch.reason == "main"]
     entries = trace.to_openenv()["turns"]  # OpenEnv's trace entries: request and OpenAI-shaped response
