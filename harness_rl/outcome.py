@@ -1,7 +1,9 @@
 """What a finished rollout hands the learner: its trace, its reward, and how the agent behaved.
 
 The shape follows TRL's `HarnessRolloutOutcome` so a `rollout_reward_fn` written for TRL reads the
-same fields here. A reward of `None` means unscorable (the sandbox never started, the verifier
+same fields here (`env_reward`, `tool_call_count`, `tool_failure_count`, `tool_calls_by_name`,
+`timed_out`; TRL's `completion` message list is `messages`, since `completion` here is the agent's
+final text). A reward of `None` means unscorable (the sandbox never started, the verifier
 wrote nothing): such a rollout is left out of its group's baseline and never trained, never
 treated as 0.
 """
@@ -9,10 +11,11 @@ treated as 0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-from harness_rl.trace import TrainingTrace
+from harness_rl.trace import TrainingTrace, openai_message
 
 
 class RolloutOutcome(msgspec.Struct, kw_only=True):
@@ -27,6 +30,7 @@ class RolloutOutcome(msgspec.Struct, kw_only=True):
     tool_call_count: int = 0
     tool_failure_count: int = 0
     tool_calls_by_name: dict[str, int] = {}
+    tool_failures_by_name: dict[str, int] = {}
     timed_out: bool = False
     exit_code: int | None = None
     error: str | None = None
@@ -36,6 +40,16 @@ class RolloutOutcome(msgspec.Struct, kw_only=True):
     @property
     def scorable(self) -> bool:
         return self.reward is not None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The last agent call's request messages and its reply (TRL's `completion`): the conversation as it ended."""
+        agents = [turn for turn in self.trace.turns if turn.role == "agent"] if self.trace is not None else []
+        if not agents:
+            return []
+        last = agents[-1]
+        reply = [openai_message(last.reply)] if last.reply is not None else []
+        return [*(last.request.messages or []), *reply]
 
 
 class RolloutGroup(msgspec.Struct, kw_only=True):

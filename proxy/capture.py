@@ -176,7 +176,8 @@ class CaptureGraph:
         return parents, order
 
     def roles(self, continued: Collection[str] = ()) -> tuple[dict[str, str | None], dict[str, str]]:
-        """Parents and roles: agent, auxiliary (tool-less side paths) or discarded (abandoned retries).
+        """Parents and roles: agent, auxiliary (tool-less side paths) or discarded (abandoned retries). (The second
+        pass over the texts, `proxy.branches`, marks compaction summaries and gives each turn its branch.)
 
         A retry is a call whose messages and tools equal an earlier call's. Of a group of retries,
         the ones the agent went on from (a later turn extends them, or was rendered after their

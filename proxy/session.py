@@ -38,6 +38,7 @@ from harness_rl.trace import (
     VersionSpan,
     rebuild_turns,
 )
+from proxy.branches import classify
 from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
 from proxy.control_api import Recovery, SessionSummary
 from proxy.errors import ProxyError
@@ -272,7 +273,8 @@ class Session:
         return TraceSnapshot(self.id, parents, roles, rows, metadata)
 
     def trace(self) -> TrainingTrace:
-        """The session's `TrainingTrace`, with parents and roles from the capture graph (not validated here)."""
+        """The session's `TrainingTrace`, with parents, roles and branches from the capture graph (not validated
+        here)."""
         return self.snapshot().build()
 
 
@@ -292,7 +294,9 @@ class TraceSnapshot:
             turn = decode_turn(raw)
             turn.parent_id, turn.role, turn.delivered = self.parents[node_id], self.roles[node_id], delivered
             stored.append(turn)
-        return TrainingTrace(rollout_id=self.rollout_id, turns=rebuild_turns(stored), metadata=self.metadata)
+        turns = rebuild_turns(stored)
+        classify(turns)
+        return TrainingTrace(rollout_id=self.rollout_id, turns=turns, metadata=self.metadata)
 
 
 def _request_key(message_digests: bytes, tools_digest: int | None) -> bytes:

@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from adapters.harnesses import HARNESSES, Endpoint, create_harness, tool_calls_in_trace
+from adapters.harnesses import HARNESSES, Endpoint, create_harness
 from adapters.harnesses.base import Package
 from adapters.sandboxes.base import ExecResult
 from adapters.sandboxes.local import LocalSandbox
 from adapters.tasks import load_task
 from adapters.verifier import verify
 from harness_rl.commands.harnesses import rows
-from harness_rl.trace import Reply, ToolCall, TrainingTrace, Turn
 
 pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
@@ -142,17 +141,6 @@ async def test_mini_swe_agent_report_skips_the_unexecuted_submit(sandbox) -> Non
     await sandbox.write_text(harness.trajectory_path(sandbox), json.dumps({"messages": messages}))
     report = await harness.report(sandbox, ExecResult(0, "", ""))
     assert (report.calls_by_name, report.failures, report.completion) == ({"bash": 3}, 1, "Submitted")
-
-
-def test_tool_calls_in_trace_count_agent_turns_only() -> None:
-    def turn(node: str, role: str, names: list[str]) -> Turn:
-        calls = [ToolCall(id=f"{node}{i}", name=n, arguments="{}") for i, n in enumerate(names)]
-        return Turn(node_id=node, role=role, prompt_token_ids=[1], completion_token_ids=[2], per_token_logps=[-0.5],
-                    loss_mask=[0, 1], reply=Reply(tool_calls=calls))
-
-    trace = TrainingTrace(rollout_id="r", turns=[turn("a", "agent", ["bash", "read"]), turn("b", "agent", ["bash"]),
-                                                 turn("c", "discarded", ["bash"]), turn("d", "auxiliary", [])])
-    assert tool_calls_in_trace(trace) == {"bash": 2, "read": 1}
 
 
 def test_unknown_harness_is_named() -> None:

@@ -38,6 +38,6 @@ def test_no_library_code_enables_forced_completions() -> None:
 def test_the_teacher_serves_forced_completions_only_from_an_engine_it_starts() -> None:
     source = (ROOT / "harness_rl" / "demo" / "teacher.py").read_text()
     assert source.count("forced_completions=True") == 1
-    assert 'EngineConfig(engine="embedded"' in source and "with Stack.start(config," in source
+    assert 'EngineConfig(engine=["embedded"]' in source and "with Stack.start(config," in source
     for run_level in ("train.py", "evaluate.py"):
         assert "forced" not in (ROOT / "harness_rl" / "run" / run_level).read_text()

@@ -95,6 +95,9 @@ def _corrupt(rule: str, trace: TrainingTrace, data: st.DataObject) -> None:
         child.prompt_token_ids = [child.prompt_token_ids[0] + 1] + child.prompt_token_ids[1:]
     elif rule == T.INVALID_ROLE:
         pick.role = "boss"  # type: ignore[assignment]
+    elif rule == T.INVALID_BRANCH:
+        pick.branch = data.draw(st.sampled_from([T.Branch(id=-1, reason="main"),
+                                                 T.Branch(id=0, reason="boss")]))  # type: ignore[arg-type]
     elif rule == T.INVALID_POLICY_VERSION:
         pick.policy_version = data.draw(st.sampled_from([-1, True, 1.5]))  # type: ignore[assignment]
     elif rule == T.LENGTH_MISMATCH:

@@ -11,7 +11,7 @@ import pytest
 from test_trace import chain
 
 from harness_rl.cli import main
-from harness_rl.trace import PrefixBreak
+from harness_rl.trace import Branch, PrefixBreak
 
 
 @pytest.fixture
@@ -22,6 +22,8 @@ def good(tmp_path: Path) -> Path:
     trace.turns[2].role = "auxiliary"
     trace.turns[2].prompt_source = "rendered"
     trace.turns[2].prefix_break = PrefixBreak(position=7, cause="retokenized", against="t1")
+    trace.turns[0].branch = trace.turns[1].branch = Branch(id=0, reason="main")
+    trace.turns[2].branch = Branch(id=1, reason="side_call", origin="t1")
     path = tmp_path / "good.msgpack"
     trace.save(path)
     return path
@@ -46,14 +48,16 @@ def test_validate_prints_every_violation_with_turn_and_position(tmp_path: Path,
     ]
 
 
-def test_show_lists_roles_lengths_and_trained_spans(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_lists_branches_roles_lengths_and_trained_spans(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["traces", "show", str(good)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "rollout r1: 3 turns, 3 trained tokens"
-    assert lines[2].split() == ["0", "t0", "(root)", "agent", "0", "4", "2", "tool_calls", "-", "0-1"]
-    assert lines[3].split() == ["1", "t1", "t0", "agent", "1", "9", "2", "tool_calls", "spliced", "0"]
-    assert lines[4].split()[3] == "auxiliary" and lines[4].split()[8] == "rendered"
-    assert lines[5].strip() == "prefix broke at token 7 of t1: retokenized"
+    assert lines[0] == "rollout r1: 3 turns, 2 branches, 3 trained tokens (agent turns)"
+    assert lines[1] == "  branch 0 main: turns 0, 1 (agent, 4 sampled tokens)"
+    assert lines[2] == "  branch 1 side_call from turn 1: turns 2 (auxiliary, 2 sampled tokens)"
+    assert lines[4].split() == ["0", "t0", "(root)", "agent", "0:main", "0", "4", "2", "tool_calls", "-", "0-1"]
+    assert lines[5].split() == ["1", "t1", "t0", "agent", "0:main", "1", "9", "2", "tool_calls", "spliced", "0"]
+    assert lines[6].split()[3:5] == ["auxiliary", "1:side_call"] and lines[6].split()[9] == "rendered"
+    assert lines[7].strip() == "prefix broke at token 7 of t1: retokenized"
 
 
 def test_show_reads_a_proxy_session_log(fake_proxy, fake_engine, capsys: pytest.CaptureFixture[str]) -> None:

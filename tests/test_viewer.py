@@ -17,7 +17,7 @@ from viewer_fixture import FixtureRun, make_run
 from harness_rl.cli import main
 from harness_rl.learner.rows import completion_mask
 from harness_rl.trace import PrefixBreak, TrainingTrace
-from harness_rl.viewer.load import Texts, turn_views
+from harness_rl.viewer.load import Texts, load_run, turn_views
 from harness_rl.viewer.tokens import find_tokenizer, open_tokenizer
 
 
@@ -173,6 +173,27 @@ def test_prompt_source_and_prefix_break_are_shown(fixture_run: FixtureRun, tiny_
     assert found.theirs == t1.sequence[position - 8:position + 8]
     assert found.ours[8] == 7 != found.theirs[8]
     assert all(str(i) in tokens.vocab for i in found.ours + found.theirs)
+
+
+def test_branches_are_embedded_with_their_reason_and_origin(fixture_run: FixtureRun):
+    trace = fixture_run.traces["s001-g1-r0"]  # main (two turns), a title side call, a dropped retry
+    views = turn_views(trace, None, Texts())
+    assert [(v.branch.id, v.branch.reason, v.branch.origin) for v in views] == [
+        (0, "main", None), (0, "main", None), (1, "side_call", None), (2, "retry", "t1")]
+
+
+def test_the_mask_shown_is_what_the_runs_train_roles_train(fixture_run: FixtureRun):
+    """A run trained with `--train-roles agent --train-roles auxiliary` shows its title call's tokens trained."""
+    def title_masks() -> list[str]:
+        view = load_run(fixture_run.path, None)
+        return [t.mask for r in view.rollouts if r.rollout_id == "s001-g1-r0" for t in r.turns or []
+                if t.role == "auxiliary"]
+
+    (shown,) = title_masks()
+    assert set(shown) == {"0"}
+    (fixture_run.path / "config.toml").write_text('[learner]\ntrain_roles = ["agent", "auxiliary"]\n')
+    (shown,) = title_masks()
+    assert set(shown) == {"1"}
 
 
 def test_serve_answers_the_page_on_loopback(fixture_run: FixtureRun, tmp_path: Path):

@@ -84,6 +84,9 @@ def test_dom_holds_the_runs_turns_and_token_spans(chromium: str, page: tuple[Fix
         greyed = sum(completion_mask(t)[:TOKEN_CAP].count(0) for t in trace.turns)  # mask 0: greyed
         assert len(re.findall(r'<span class="tok m0[ "]', html)) == greyed
         assert greyed or rollout_id == "s003-g3-r3"
+        branches = {t.branch.id: t.branch.reason for t in trace.turns}
+        assert len(re.findall(r'<span class="branch">', html)) == len(branches)  # the branch list under the graph
+        assert len(re.findall(r'<span class="badge branch"', html)) == len(trace.turns)
     assert any(len(t.completion_token_ids) > TOKEN_CAP for t in run.traces["s003-g3-r3"].turns)
     assert "show all" in html
 

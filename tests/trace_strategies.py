@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from harness_rl.trace import ROLES, Reply, Request, Sampling, ToolCall, TrainingTrace, Turn, VersionSpan
+from harness_rl.trace import (
+    BRANCH_REASONS,
+    ROLES,
+    Branch,
+    Reply,
+    Request,
+    Sampling,
+    ToolCall,
+    TrainingTrace,
+    Turn,
+    VersionSpan,
+)
 
 token_ids = st.lists(st.integers(min_value=0, max_value=200_000), max_size=12)
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False, allow_infinity=False)
@@ -50,6 +61,9 @@ def traces(draw: st.DrawFn, max_turns: int = 8) -> TrainingTrace:
                 Sampling, temperature=st.sampled_from([None, 0.7, 1.0]),
                 max_tokens=st.just(None) if len(completion) == 0 else st.integers(len(completion), 64)))),
             delivered=draw(st.booleans()),
+            branch=draw(st.one_of(st.none(), st.builds(Branch, id=st.integers(0, 9),
+                                                       reason=st.sampled_from(BRANCH_REASONS),
+                                                       origin=st.one_of(st.none(), st.text(max_size=6))))),
             metadata=draw(st.dictionaries(st.text("xyz", min_size=1, max_size=3), json_scalar, max_size=2)),
             started_at=draw(st.one_of(st.none(), st.floats(0, 2e9))),
             finished_at=draw(st.one_of(st.none(), st.floats(0, 2e9))),

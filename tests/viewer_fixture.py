@@ -3,8 +3,8 @@
 Token ids come from the tiny model's real tokenizer (ChatML text encoded), so the page has real token
 text; logprobs are drawn from a seeded generator. Each step has one group whose first four rollouts'
 shapes cover what the viewer must draw: tool-calling agent turns, an auxiliary side call, a
-discarded retry, an undelivered completion, learner logprobs, a long completion (past the token
-cap), an errored rollout without a trace.
+discarded retry (each its own branch), an undelivered completion, learner logprobs, a long
+completion (past the token cap), an errored rollout without a trace.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_rl.trace import Reply, Request, ToolCall, TrainingTrace, Turn
+from proxy.branches import classify
 
 SYSTEM = "You are a careful coding agent. Use the tools to inspect and change files, then answer briefly."
 TASK = "Write the digits 0 to 9 to answer.txt, one line."
@@ -82,6 +83,7 @@ def _trace(b: _Builder, rollout_id: str, kind: int, version: int, reward: float)
         turns.append(b.turn("lost", t1, "\n" + chatml([{"role": "user", "content": "continue"}]), "Continuing.",
                             [*second_messages, {"role": "user", "content": "continue"}], delivered=False,
                             version=version))
+    classify(turns)  # the branches, as the proxy gives them: main, the title's side call, the retry's own
     return TrainingTrace(rollout_id=rollout_id, turns=turns, metadata={"task": "digits", "harness": "echo",
                                                                          "reward": reward, "error": None})
 

@@ -13,7 +13,6 @@ from adapters.harnesses.base import (
     Launch,
     Package,
     ToolReport,
-    tool_calls_in_trace,
 )
 from adapters.harnesses.claude_code import ClaudeCodeHarness
 from adapters.harnesses.codex import CodexHarness
@@ -44,4 +43,4 @@ def create_harness(name: str, **options: Any) -> Harness:
 
 
 __all__ = ["HARNESSES", "HARNESS_NAMES", "AgentRun", "Dialect", "Endpoint", "Harness", "Launch", "Package",
-           "ToolReport", "create_harness", "harness_class", "tool_calls_in_trace"]
+           "ToolReport", "create_harness", "harness_class"]

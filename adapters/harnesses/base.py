@@ -14,14 +14,12 @@ import re
 import shlex
 import sys
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar, Literal
 
 from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
-from harness_rl.trace import TrainingTrace
 
 POLICY_MODEL = "policy"
 NPM_INSTALL = "npm install --no-audit --no-fund --loglevel=error"
@@ -266,9 +264,3 @@ def json_lines(text: str) -> Iterable[dict[str, Any]]:
             continue
         if isinstance(value, dict):
             yield value
-
-
-def tool_calls_in_trace(trace: TrainingTrace) -> dict[str, int]:
-    """Tool calls by name the model made in a trace's agent turns (what the proxy recorded it answering)."""
-    return dict(Counter(call.name for turn in trace.turns if turn.role == "agent" and turn.reply is not None
-                        for call in turn.reply.tool_calls))

@@ -8,6 +8,11 @@ Non-essential traffic, telemetry, error reporting and the auto-updater are off; 
 header is off in `settings.json`. `CLAUDE_CONFIG_DIR` lives in the sandbox's private home, and
 `IS_SANDBOX=1` lets bypass-permissions mode run as root. The run prints `stream-json` events we
 read tool calls and the final result from.
+
+Options (`harness_options`): `disallowed_tools` (default WebFetch, WebSearch and Task; pass the list
+without Task to let the agent hand work to subagents) and `env`, Claude Code's own settings for the
+run, e.g. `{"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "43"}` to
+compact its context at 43 % of a 100k window (minus its output reserve) instead of near 200k.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ class ClaudeCodeHarness(Harness):
     dialect = "anthropic-messages"
     package = Package("npm", "@anthropic-ai/claude-code", "2.1.197", "claude")
 
-    def __init__(self, api_timeout_ms: int = 600000) -> None:
+    def __init__(self, api_timeout_ms: int = 600000, disallowed_tools: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.api_timeout_ms = api_timeout_ms
+        self.disallowed_tools = list(DISALLOWED_TOOLS if disallowed_tools is None else disallowed_tools)
+        self.env = env or {}
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         config_dir = PurePosixPath(sandbox.home) / ".claude"
@@ -49,6 +57,7 @@ class ClaudeCodeHarness(Harness):
             API_TIMEOUT_MS=str(self.api_timeout_ms),
             IS_SANDBOX="1",
             **models,
+            **self.env,
         )
         settings = {
             "env": {"CLAUDE_CODE_ATTRIBUTION_HEADER": "0"},
@@ -58,7 +67,7 @@ class ClaudeCodeHarness(Harness):
         argv = [
             self.binary(sandbox), "--print", "--verbose", "--output-format", "stream-json",
             "--permission-mode", "bypassPermissions", "--model", endpoint.model,
-            "--disallowedTools", *DISALLOWED_TOOLS, "--", instruction,
+            *(["--disallowedTools", *self.disallowed_tools] if self.disallowed_tools else []), "--", instruction,
         ]
         return Launch(argv=argv, env=env, files={str(config_dir / "settings.json"): json.dumps(settings)})
 

@@ -11,6 +11,10 @@ Wiring (measured against a scripted server; notes in tests/fixtures/agents/codex
   `write_stdin`, `request_user_input`, `view_image`.
 - `codex exec --json --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check` runs
   unattended (the sandbox is ours) and prints one JSON event per line.
+
+Options: `context_tokens` (the model's context window codex assumes) and `auto_compact_tokens`
+(`model_auto_compact_token_limit`: past this many tokens codex asks the model for a handoff summary
+and goes on in a fresh conversation that carries it; none: codex's own default).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ class CodexHarness(Harness):
     dialect = "openai-responses"
     package = Package("npm", "@openai/codex", "0.171.0", "codex")
 
-    def __init__(self, context_tokens: int = 65536) -> None:
+    def __init__(self, context_tokens: int = 65536, auto_compact_tokens: int | None = None) -> None:
         self.context_tokens = context_tokens
+        self.auto_compact_tokens = auto_compact_tokens
 
     def config(self, endpoint: Endpoint) -> str:
         lines = [
@@ -49,6 +54,7 @@ class CodexHarness(Harness):
             'web_search = "disabled"',
             "check_for_update_on_startup = false",
             f"model_context_window = {self.context_tokens}",
+            *([f"model_auto_compact_token_limit = {self.auto_compact_tokens}"] if self.auto_compact_tokens else []),
             "",
             f"[model_providers.{PROVIDER_ID}]",
             'name = "harness-rl proxy"',

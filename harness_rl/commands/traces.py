@@ -20,8 +20,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
     validate.set_defaults(run=run_validate)
 
-    show = actions.add_parser("show", help="print each turn: role, parent, lengths, prompt source and trained spans "
-                                           "(trace files, OpenEnv JSON, proxy session logs)")
+    show = actions.add_parser("show", help="print the branches (main, subagents, compactions, ...) and each turn: "
+                                           "role, branch, parent, lengths, prompt source and trained spans (trace "
+                                           "files, OpenEnv JSON, proxy session logs)")
     show.add_argument("file", type=Path, metavar="FILE")
     show.set_defaults(run=run_show)
 
@@ -80,15 +81,39 @@ def _format_spans(spans: list[tuple[int, int]]) -> str:
     return ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in spans) or "none"
 
 
+def branch_lines(trace: TrainingTrace) -> list[str]:
+    """One line per branch: its id, why it began and from which turn, its turns and what its agent calls sampled."""
+    index = {turn.node_id: i for i, turn in enumerate(trace.turns)}
+    branches: dict[int, list[int]] = {}
+    for i, turn in enumerate(trace.turns):
+        if turn.branch is not None:
+            branches.setdefault(turn.branch.id, []).append(i)
+    lines = []
+    for branch_id, members in sorted(branches.items()):
+        branch = trace.turns[members[0]].branch
+        assert branch is not None
+        origin = f" from turn {index.get(branch.origin, branch.origin)}" if branch.origin is not None else ""
+        roles = sorted({trace.turns[i].role for i in members})
+        sampled = sum(len(trace.turns[i].completion_token_ids) for i in members)
+        lines.append(f"  branch {branch_id} {branch.reason}{origin}: turns {', '.join(map(str, members))} "
+                     f"({'/'.join(roles)}, {sampled} sampled tokens)")
+    return lines
+
+
 def run_show(args: argparse.Namespace) -> int:
     trace = _load(args.file)
     trained = sum(sum(t.completion_mask) for t in trace.turns if t.role == "agent")
-    print(f"rollout {trace.rollout_id}: {len(trace.turns)} turns, {trained} trained tokens")
-    print(f"{'#':>3}  {'node':<14} {'parent':<14} {'role':<9} {'ver':>4} {'prompt':>7} {'compl':>6}  "
+    branches = branch_lines(trace)
+    print(f"rollout {trace.rollout_id}: {len(trace.turns)} turns, {len(branches) or 'no'} branches, {trained} trained "
+          "tokens (agent turns)")
+    for line in branches:
+        print(line)
+    print(f"{'#':>3}  {'node':<14} {'parent':<14} {'role':<9} {'branch':<20} {'ver':>4} {'prompt':>7} {'compl':>6}  "
           f"{'finish':<10} {'source':<9} trained completion positions")
     for i, turn in enumerate(trace.turns):
         version = "-" if turn.policy_version is None else str(turn.policy_version)
-        print(f"{i:>3}  {turn.node_id:<14} {turn.parent_id or '(root)':<14} {turn.role:<9} {version:>4} "
+        branch = f"{turn.branch.id}:{turn.branch.reason}" if turn.branch is not None else "-"
+        print(f"{i:>3}  {turn.node_id:<14} {turn.parent_id or '(root)':<14} {turn.role:<9} {branch:<20} {version:>4} "
               f"{len(turn.prompt_token_ids):>7} {len(turn.completion_token_ids):>6}  "
               f"{turn.finish_reason or '-':<10} {turn.prompt_source or '-':<9} {_format_spans(trained_spans(turn))}")
         if turn.prefix_break is not None:

@@ -12,6 +12,8 @@ import msgspec
 
 from harness_rl.settings import AtLeastOne, AtLeastZero, NonNegative, Positive, setting
 
+TrainRole = Literal["agent", "summary", "auxiliary"]
+
 
 class LossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     epsilon: Annotated[Positive, setting("lower clip of the ratio")] = 0.2
@@ -42,6 +44,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_grad_norm: Annotated[Positive | None, setting("gradient-norm clip; none: no clipping")] = 1.0
     groups_per_step: Annotated[AtLeastOne, setting("GRPO groups per optimizer step")] = 1
     token_budget: Annotated[AtLeastOne, setting("tokens per packed micro-batch")] = 16384
+    train_roles: Annotated[list[TrainRole], msgspec.Meta(min_length=1), setting(
+        "which calls train on the rollout's reward: agent (the agent's own turns), summary (the summary a compaction "
+        "asks for), auxiliary (titles and other side calls); repeat the flag for several "
+        "(--train-roles agent --train-roles summary)")] = msgspec.field(default_factory=lambda: ["agent"])
     max_staleness: Annotated[AtLeastZero | None, setting(
         "drop tokens sampled more than N policy versions ago; none: keep all")] = 4
     gradient_checkpointing: Annotated[bool, setting("trade compute for activation memory")] = False

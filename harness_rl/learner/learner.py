@@ -91,7 +91,7 @@ class Learner:
                                          max_staleness=config.max_staleness,
                                          normalization=config.loss.normalization,
                                          keep_zero_advantage=bool(config.loss.beta),
-                                         temperature=self.temperature)
+                                         temperature=self.temperature, train_roles=config.train_roles)
         metrics["perf/rollout_wait_s"] = rollout_wait_s
         if not samples:
             # A skipped step: nothing to learn from (e.g. every group had zero reward variance). It still

@@ -11,18 +11,20 @@
   behaviour logprobs. Tokens of unknown version are treated as fresh.
 - A turn the proxy recorded as sampled at another temperature than the learner's is kept as context
   only: its behaviour logprobs describe a different distribution, so its ratios would be wrong.
+- `train_roles` chooses which calls train (`rows.completion_mask`); every row of a rollout, whichever
+  branch it holds (main, subagent, after a compaction), carries the rollout's one advantage.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from harness_rl.learner.grpo import Normalization, group_advantages, token_weights
-from harness_rl.learner.rows import NO_VERSION, Row, trace_rows
+from harness_rl.learner.rows import AGENT_ONLY, NO_VERSION, Row, trace_rows
 from harness_rl.outcome import RolloutGroup
 from harness_rl.trace import TraceValidationError, TrainingTrace
 from harness_rl.trace.stats import trace_stats
@@ -46,6 +48,7 @@ def build_samples(
     normalization: Normalization,
     keep_zero_advantage: bool = False,
     temperature: float | None = None,
+    train_roles: Collection[str] = AGENT_ONLY,
 ) -> tuple[list[Sample], dict[str, float]]:
     """The step's samples (weights normalised over all of them) and the metrics of what was kept."""
     samples: list[Sample] = []
@@ -54,6 +57,7 @@ def build_samples(
               "temperature_mismatch_tokens": 0}
     rows_per_rollout: list[int] = []
     turns_per_rollout: list[int] = []
+    branches_per_rollout: list[int] = []
     sources = {"spliced": 0, "rendered": 0}
     chained = later = 0
     staleness: list[int] = []
@@ -63,6 +67,7 @@ def build_samples(
                 if turn.role == "agent" and turn.prompt_source is not None:
                     sources[turn.prompt_source] += 1
             if outcome.trace is not None:
+                branches_per_rollout.append(len({t.branch.id for t in outcome.trace.turns if t.branch is not None}))
                 stats = trace_stats(outcome.trace)
                 chained, later = chained + stats.chained_turns, later + stats.later_turns
         scores = [o.reward for o in group.outcomes]
@@ -75,12 +80,12 @@ def build_samples(
         for outcome, advantage in zip(group.outcomes, advantages, strict=True):
             if advantage is None or (advantage == 0.0 and not keep_zero_advantage):
                 continue
-            trace = _trainable_trace(outcome.trace, temperature, counts)
+            trace = _trainable_trace(outcome.trace, temperature, train_roles, counts)
             if trace is None:
                 continue
             key = f"{group.group_id}/{outcome.rollout_id}"
             kept = []
-            for row in trace_rows(trace):
+            for row in trace_rows(trace, train_roles):
                 counts["dropped_stale_tokens"] += _drop_stale(row, policy_version, max_staleness, staleness)
                 if row.n_trained:
                     kept.append(Sample(row, key, advantage))
@@ -114,6 +119,7 @@ def build_samples(
         "rollout/fork_frac": _mean([float(n > 1) for n in rows_per_rollout]),
         "rollout/turns_mean": _mean(turns_per_rollout),
         "rollout/turns_max": float(max(turns_per_rollout, default=0)),
+        "rollout/branches_mean": _mean(branches_per_rollout),  # conversations per rollout (main, subagents, ...)
         "rollout/spliced_turns": float(sources["spliced"]),
         "rollout/rendered_turns": float(sources["rendered"]),
         "rollout/chained_turns": float(chained),  # agent turns after a rollout's first that chain onto the one before
@@ -123,7 +129,7 @@ def build_samples(
     return samples, metrics
 
 
-def _trainable_trace(trace: TrainingTrace | None, temperature: float | None,
+def _trainable_trace(trace: TrainingTrace | None, temperature: float | None, train_roles: Collection[str],
                      counts: dict[str, int]) -> TrainingTrace | None:
     """The validated trace, turns sampled at another temperature made context; None when unusable."""
     if trace is None:
@@ -136,17 +142,18 @@ def _trainable_trace(trace: TrainingTrace | None, temperature: float | None,
         return None
     if temperature is None:
         return trace
-    trace, mismatched = _untrain_other_temperatures(trace, temperature)
+    trace, mismatched = _untrain_other_temperatures(trace, temperature, train_roles)
     counts["temperature_mismatch_tokens"] += mismatched
     return trace
 
 
-def _untrain_other_temperatures(trace: TrainingTrace, temperature: float) -> tuple[TrainingTrace, int]:
+def _untrain_other_temperatures(trace: TrainingTrace, temperature: float,
+                                train_roles: Collection[str]) -> tuple[TrainingTrace, int]:
     """The trace with turns sampled at another recorded temperature marked context-only; their masked count."""
     turns, mismatched = [], 0
     for turn in trace.turns:
         recorded = turn.sampling.temperature if turn.sampling is not None else None
-        if turn.role == "agent" and recorded is not None and abs(recorded - temperature) > 1e-6:
+        if turn.role in train_roles and recorded is not None and abs(recorded - temperature) > 1e-6:
             mismatched += sum(turn.completion_mask)
             turn = msgspec.structs.replace(turn, role="discarded")
         turns.append(turn)

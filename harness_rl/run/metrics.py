@@ -5,6 +5,11 @@ Backends: `jsonl` (`metrics.jsonl`, the run's own record, read back by the repor
 `trackio/`). TensorBoard and trackio get TRL's names: transformers' callbacks prefix every training
 metric with `train/` (`train/reward`, `train/loss`, ...) at the learner's step, and so do we, so a
 harness-rl run and a TRL run plot side by side.
+
+`rollout_metrics` adds what TRL's harness trainer logs about the step's rollouts themselves: tool use
+(`tools/call_frequency`, `tools/failure_frequency`, `tools/<name>/call_total`,
+`tools/<name>/failure_total`) and, when a reward function replaces the verifier's reward,
+`rollout/correctness_mean` (the verifier's mean).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from harness_rl.outcome import RolloutGroup
+
 BACKENDS = ("jsonl", "tensorboard", "trackio")
 DEFAULT_REPORT_TO = ("jsonl", "tensorboard")
 TRL_PREFIX = "train/"
@@ -25,7 +32,8 @@ CONSOLE_KEYS = (
     ("loss", "loss", "{:.4f}"), ("reward", "reward", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
     ("learning_rate", "lr", "{:.2e}"), ("kl", "kl", "{:.4f}"), ("entropy", "ent", "{:.3f}"),
     ("clip_ratio/region_mean", "clip", "{:.3f}"), ("sample/staleness_mean", "stale", "{:.2f}"),
-    ("batch/trained_tokens_per_step", "tok", "{:.0f}"),
+    ("batch/trained_tokens_per_step", "tok", "{:.0f}"), ("rollout/correctness_mean", "correct", "{:.3f}"),
+    ("tools/call_frequency", "tools", "{:.1f}"), ("tools/failure_frequency", "tool fail", "{:.2f}"),
     ("sampling/sampling_logp_difference/max", "mismatch", "{:.1e}"),
     ("sync/logp_difference_max", "sync Δ", "{:.1e}"), ("perf/step_s", "s", "{:.2f}"),
 )
@@ -41,6 +49,41 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
     return " | ".join(parts)
+
+
+def rollout_metrics(groups: Iterable[RolloutGroup], custom_reward: bool) -> dict[str, float]:
+    """TRL's tool and correctness metrics of a step's rollouts (its harness trainer's rules).
+
+    Per rollout, its tool calls and the share of them whose result failed (0 without calls); each a mean
+    over the rollouts of the groups that called any tool. Per tool, sums over every rollout.
+    `rollout/correctness_mean` is the mean verifier reward of the rollouts that have one, logged only when
+    `custom_reward` (a reward function) made the rewards something else.
+    """
+    metrics: dict[str, float] = {}
+    calls: list[float] = []
+    failure_rates: list[float] = []
+    correctness: list[float] = []
+    for group in groups:
+        outcomes = group.outcomes
+        if sum(o.tool_call_count for o in outcomes):
+            calls.extend(float(o.tool_call_count) for o in outcomes)
+            failure_rates.extend(o.tool_failure_count / o.tool_call_count if o.tool_call_count else 0.0
+                                 for o in outcomes)
+        for outcome in outcomes:
+            for name, count in outcome.tool_calls_by_name.items():
+                key = f"tools/{name}/call_total"
+                metrics[key] = metrics.get(key, 0.0) + count
+            for name, count in outcome.tool_failures_by_name.items():
+                key = f"tools/{name}/failure_total"
+                metrics[key] = metrics.get(key, 0.0) + count
+            if custom_reward and outcome.env_reward is not None:
+                correctness.append(outcome.env_reward)
+    if calls:
+        metrics["tools/call_frequency"] = sum(calls) / len(calls)
+        metrics["tools/failure_frequency"] = sum(failure_rates) / len(failure_rates)
+    if correctness:
+        metrics["rollout/correctness_mean"] = sum(correctness) / len(correctness)
+    return metrics
 
 
 def parse_report_to(value: str | Iterable[str]) -> tuple[str, ...]:

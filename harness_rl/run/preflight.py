@@ -115,6 +115,10 @@ def _check_rollouts(config: RunConfig) -> None:
             raise ConfigError("--tasks", str(exc)) from None
     elif not HF_REPO_ID.match(rollouts.tasks):
         raise ConfigError("--tasks", missing_tasks(rollouts.tasks))
+    if rollouts.reward_fn is not None:
+        from harness_rl.run.reward_fn import load_reward_fn
+
+        load_reward_fn(rollouts.reward_fn)  # raises the ConfigError naming it
     if rollouts.sandbox == "harbor" and sys.version_info < (3, 12):
         raise ConfigError("--sandbox", "harbor needs Python >= 3.12 (this is "
                                        f"{sys.version_info.major}.{sys.version_info.minor})")

@@ -14,6 +14,8 @@ What counts as what:
   saying which; `rollout_reward_fn` is not asked about these;
 - a verifier that leaves no readable reward: `env_reward` None and `error` says why; the
   reward function still sees the outcome (the default one returns `env_reward`, so None);
+- a reward function (`reward_fn`, `--reward-fn`) that raises or returns a non-number stops the run
+  (`RewardFnError`, naming the function and the rollout), as a configuration error does;
 - cancellation (Ctrl-C): every in-flight rollout closes its session and its sandbox (killing its
   processes) before the cancellation propagates.
 
@@ -43,13 +45,15 @@ from urllib.parse import urlparse
 import aiohttp
 import msgspec
 
-from adapters.harnesses import AgentRun, Endpoint, Harness, create_harness, tool_calls_in_trace
+from adapters.harnesses import AgentRun, Endpoint, Harness, create_harness
 from adapters.sandboxes import Sandbox, SandboxError, SandboxStartError, create_sandbox
 from adapters.tasks import Task
 from adapters.verifier import verify
 from harness_rl.outcome import RewardFn, RolloutGroup, RolloutOutcome, default_reward
+from harness_rl.run.reward_fn import RewardFnError, load_reward_fn, score
 from harness_rl.settings import AtLeastOne, NonNegative, Positive, setting
 from harness_rl.trace import TrainingTrace
+from harness_rl.trace.tools import tool_usage
 from proxy.client import ProxyClient
 from proxy.control_api import SessionInfo
 
@@ -72,6 +76,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     agent_timeout_s: Annotated[Positive | None, setting("seconds before an agent is killed; none: the task's "
                                                         "own limit", flag="--agent-timeout")] = None
     reward_key: Annotated[str | None, setting("which key of the verifier's reward.json is the reward")] = None
+    reward_fn: Annotated[str | None, setting(
+        "package.module:function turning each finished rollout into its reward (TRL's rollout_reward_fn: it gets the "
+        "outcome, returns a float or none for unscorable); none: the verifier's reward")] = None
     harness_options: Annotated[dict[str, Any], setting("options for the harness adapter", flag=None)] = {}
     sandbox_options: Annotated[dict[str, Any], setting("options for the sandbox", flag=None)] = {}
     sandbox_start_attempts: Annotated[AtLeastOne, setting("sandbox creation attempts", flag=None)] = 3
@@ -108,7 +115,7 @@ class RolloutScheduler:
         tasks: Sequence[Task],
         proxy: ProxyClient,
         config: RolloutConfig | None = None,
-        rollout_reward_fn: RewardFn = default_reward,
+        rollout_reward_fn: RewardFn | None = None,
         harness: Harness | None = None,
         sandbox_factory: Callable[[], Sandbox] | None = None,
         seed: int = 0,
@@ -118,7 +125,8 @@ class RolloutScheduler:
         self.tasks = list(tasks)
         self.proxy = proxy
         self.config = config or RolloutConfig(harness="echo")
-        self.reward_fn = rollout_reward_fn
+        self.reward_fn = rollout_reward_fn or (
+            load_reward_fn(self.config.reward_fn) if self.config.reward_fn else default_reward)
         self.harness = harness or create_harness(self.config.harness, **self.config.harness_options)
         self.sandbox_factory = sandbox_factory or (
             lambda: create_sandbox(self.config.sandbox, **self.config.sandbox_options))
@@ -195,7 +203,7 @@ class RolloutScheduler:
             async with asyncio.TaskGroup() as rollouts:
                 runs = [rollouts.create_task(self.run_rollout(task, group_id, i))
                         for i in range(self.config.num_generations)]
-        except* RolloutConfigError as errors:
+        except* (RolloutConfigError, RewardFnError) as errors:
             raise errors.exceptions[0] from None
         return RolloutGroup(group_id=group_id, task=task.name, outcomes=[run.result() for run in runs])
 
@@ -229,10 +237,10 @@ class RolloutScheduler:
                 verification = await verify(task, sandbox, self.config.reward_key)
                 if outcome.error is None:
                     outcome.env_reward = verification.reward.value
-                    outcome.reward = self.reward_fn(outcome)
+                    outcome.reward = score(self.reward_fn, outcome)
                     if verification.reward.value is None:
                         outcome.error = f"unscorable: {verification.reward.error}"
-            except RolloutConfigError:
+            except (RolloutConfigError, RewardFnError):
                 raise
             except (SandboxError, OSError, RuntimeError, ValueError, TimeoutError, aiohttp.ClientError) as error:
                 outcome.env_reward = outcome.reward = None
@@ -261,13 +269,16 @@ class RolloutScheduler:
             raise
 
     def _agent_outcome(self, outcome: RolloutOutcome, run: AgentRun, trace: TrainingTrace) -> RolloutOutcome:
+        """The agent's part of the outcome. Tool calls and failures are read from the trace by TRL's rules
+        (`trace.tools`); an agent whose trace holds no tool calls (aider edits in text) keeps its CLI's own count."""
         trace.validate()
-        by_name = run.tool_calls_by_name or tool_calls_in_trace(trace)
+        usage = tool_usage(trace)
         outcome.trace = trace
         outcome.completion = run.completion
-        outcome.tool_calls_by_name = by_name
-        outcome.tool_call_count = sum(by_name.values())
-        outcome.tool_failure_count = run.tool_failure_count
+        outcome.tool_calls_by_name = usage.calls_by_name or run.tool_calls_by_name
+        outcome.tool_failures_by_name = usage.failures_by_name
+        outcome.tool_call_count = sum(outcome.tool_calls_by_name.values())
+        outcome.tool_failure_count = usage.failure_count if usage.calls_by_name else run.tool_failure_count
         outcome.timed_out = run.timed_out
         outcome.exit_code = run.exit_code
         if not any(turn.role == "agent" for turn in trace.turns):

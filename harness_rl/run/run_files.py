@@ -44,6 +44,7 @@ class RolloutRecord(msgspec.Struct, kw_only=True):
     timed_out: bool
     exit_code: int | None
     tool_call_count: int
+    tool_failure_count: int
     turns: int
     duration_s: float
     trace: str | None  # relative to the run directory
@@ -81,6 +82,7 @@ class RunFiles:
             step=step, group_id=group.group_id, rollout_id=outcome.rollout_id, task=outcome.task, harness=self.harness,
             reward=outcome.reward, env_reward=outcome.env_reward, advantage=advantage, error=outcome.error,
             timed_out=outcome.timed_out, exit_code=outcome.exit_code, tool_call_count=outcome.tool_call_count,
+            tool_failure_count=outcome.tool_failure_count,
             turns=len(outcome.trace.turns) if outcome.trace else 0, duration_s=round(outcome.duration_s, 3),
             trace=trace_path)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from harness_rl.background import BackgroundLoop
-from harness_rl.outcome import RewardFn, default_reward
+from harness_rl.outcome import RewardFn
 from harness_rl.run.config import RunConfig
 from harness_rl.run.engines import RunningEngine, start_engines
 from harness_rl.run.models import vocab_size
@@ -47,7 +47,7 @@ class Stack:
     @classmethod
     def start(cls, config: RunConfig, model_dir: Path, run_dir: Path, tasks: Sequence[Task], *,
               harness: Harness | None = None, sandbox_factory: Callable[[], Sandbox] | None = None,
-              reward_fn: RewardFn = default_reward, served_model_name: str | None = None,
+              reward_fn: RewardFn | None = None, served_model_name: str | None = None,
               forced_completions: bool = False, name: str = "harness-rl-rollouts") -> Stack:
         """Start the engines `config.engine` describes on `model_dir`, a proxy (its store under `run_dir/proxy`),
         its client and a scheduler over `tasks`. `forced_completions` is the demo teacher's, never a run's."""

@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 from harness_rl.outcome import RewardFn, RolloutGroup, default_reward
 from harness_rl.run.config import RunConfig, to_toml
 from harness_rl.run.engines import RunStopped
+from harness_rl.run.metrics import rollout_metrics
+from harness_rl.run.reward_fn import RewardFnError
+from harness_rl.run.rollouts import RolloutConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +82,7 @@ class Run:
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
             _stop_on_setup_failures(batch, self.learner.step_count + 1)
             metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            metrics.update(rollout_metrics(batch, custom_reward=self.scheduler.reward_fn is not default_reward))
             self.metrics.log(self.learner.step_count, metrics)
             self.files.write(self.learner.step_count, batch)
             self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
@@ -101,7 +105,10 @@ class Run:
         if getter.done():
             return getter.result()
         getter.cancel()
-        self.rolling.result()
+        try:
+            self.rolling.result()
+        except (RolloutConfigError, RewardFnError) as error:  # one line for the user, not a traceback
+            raise RunStopped(str(error)) from error
         raise RunStopped("the rollout scheduler ran out of work")
 
     async def _stop_rollouts(self) -> None:
@@ -135,7 +142,7 @@ def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
 
 
 def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = None,
-              sandbox_factory: Callable[[], Sandbox] | None = None, reward_fn: RewardFn = default_reward) -> Run:
+              sandbox_factory: Callable[[], Sandbox] | None = None, reward_fn: RewardFn | None = None) -> Run:
     """Start everything a checked configuration describes on `model_dir` (resolved: a directory or the hub id
     the engine serves); resume from its latest checkpoint when asked."""
     from transformers import AutoTokenizer

@@ -36,7 +36,9 @@ from harness_rl.trace.training_trace import (
     TrainingTrace,
 )
 from harness_rl.trace.turn import (
+    BRANCH_REASONS,
     DUPLICATE_NODE_ID,
+    INVALID_BRANCH,
     INVALID_LOGPROB,
     INVALID_LOSS_MASK,
     INVALID_NODE_ID,
@@ -57,6 +59,8 @@ from harness_rl.trace.turn import (
     SCHEMA_VERSION,
     TRAINABLE_PROMPT,
     UNSUPPORTED_SCHEMA,
+    Branch,
+    BranchReason,
     PrefixBreak,
     PromptSource,
     Reply,
@@ -77,8 +81,12 @@ from harness_rl.trace.turn import (
 )
 
 __all__ = [
+    "BRANCH_REASONS",
+    "Branch",
+    "BranchReason",
     "DUPLICATE_NODE_ID",
     "FORMATS",
+    "INVALID_BRANCH",
     "INVALID_LOGPROB",
     "INVALID_LOSS_MASK",
     "INVALID_NODE_ID",

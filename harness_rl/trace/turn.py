@@ -3,9 +3,9 @@
 A `Turn` is one engine call: the engine's exact prompt and completion token ids, behaviour logprobs
 and a loss mask, its place in the capture graph (`parent_id`, `role`), and what it records besides
 (`TurnRecord`: the policy version that sampled it, how its prompt was made, the sampling applied,
-timestamps). Validation fails closed: `find_violations` lists every broken rule by name (OpenEnv's
-finding names where the rule is shared); `TrainingTrace.validate()` raises `TraceValidationError`
-holding them all.
+the branch it belongs to, timestamps). Validation fails closed: `find_violations` lists every broken
+rule by name (OpenEnv's finding names where the rule is shared); `TrainingTrace.validate()` raises
+`TraceValidationError` holding them all.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ import msgspec
 
 SCHEMA_VERSION = 1
 OPENENV_SCHEMA_VERSION = 1
-ROLES = ("agent", "auxiliary", "discarded")
-Role = Literal["agent", "auxiliary", "discarded"]
+# agent: the agent's own calls; summary: a call whose reply the agent carried into a new conversation (a
+# compaction's summary); auxiliary: other side calls (titles); discarded: abandoned retries.
+ROLES = ("agent", "summary", "auxiliary", "discarded")
+Role = Literal["agent", "summary", "auxiliary", "discarded"]
 PromptSource = Literal["spliced", "rendered"]
+BRANCH_REASONS = ("main", "subagent", "summary", "compaction", "rewritten_history", "retry", "fork", "side_call",
+                  "conversation")
+BranchReason = Literal["main", "subagent", "summary", "compaction", "rewritten_history", "retry", "fork", "side_call",
+                       "conversation"]
 
 # Rule names. Shared rules use the finding names of OpenEnv's trace validator (openenv.core.harness).
 INVALID_TOKEN_ID = "invalid_token_id"
@@ -39,12 +45,13 @@ INVALID_ROLE = "invalid_role"
 INVALID_NODE_ID = "invalid_node_id"
 INVALID_POLICY_VERSION = "invalid_policy_version"
 INVALID_SAMPLING = "invalid_sampling"
+INVALID_BRANCH = "invalid_branch"
 UNSUPPORTED_SCHEMA = "unsupported_schema"
 RULES = (
     INVALID_TOKEN_ID, INVALID_LOGPROB, POSITIVE_LOGPROB, NO_PROMPT_IDS, LOGPROB_MISALIGN,
     LENGTH_MISMATCH, INVALID_LOSS_MASK, TRAINABLE_PROMPT, DUPLICATE_NODE_ID, MISSING_PARENT,
     PARENT_NOT_PREFIX, PARENT_CYCLE, INVALID_ROLE, INVALID_NODE_ID, INVALID_POLICY_VERSION,
-    INVALID_SAMPLING, UNSUPPORTED_SCHEMA,
+    INVALID_SAMPLING, INVALID_BRANCH, UNSUPPORTED_SCHEMA,
 )
 
 
@@ -108,6 +115,26 @@ class PrefixBreak(msgspec.Struct, kw_only=True, frozen=True):
     against: str | None = None  # the node id of the earlier turn
 
 
+class Branch(msgspec.Struct, kw_only=True, frozen=True):
+    """The conversation a turn belongs to and why it began: each conversation an agent holds (its main one, a
+    subagent's, the one it went on with after compacting its context) trains as its own row.
+
+    `id` numbers a trace's branches in the order they began (0 first). Within a branch each turn continues
+    the one before it. `reason` says why the branch began: `main` (the agent's first conversation with
+    tools), `subagent` (a fresh conversation whose task the agent wrote in a tool call), `summary` (a call
+    asking for a summary of the conversation), `compaction` (a fresh conversation carrying such a summary),
+    `rewritten_history` (the agent rewrote earlier messages), `retry` (the same request again), `fork`
+    (another call continuing a turn that was already continued: calls at once), `side_call` (a title or
+    other auxiliary call) or `conversation` (none of these). `origin` is the turn it began from: the call
+    whose tool call started the subagent, the summary a compaction carries, the turn a fork continues, the
+    request retried or rewritten.
+    """
+
+    id: int
+    reason: BranchReason
+    origin: str | None = None
+
+
 class TurnRecord(msgspec.Struct, kw_only=True):
     """What a turn records besides its tokens, its place in the capture graph and its messages: the one list
     of these fields, shared by `Turn`, its stored form and its OpenEnv form (which carry them as they are)."""
@@ -119,6 +146,7 @@ class TurnRecord(msgspec.Struct, kw_only=True):
     prefix_break: PrefixBreak | None = None
     delivered: bool = True  # False: the agent never received this completion (it stays context)
     sampling: Sampling | None = None
+    branch: Branch | None = None  # None: not classified (a trace made elsewhere, or before branches existed)
     started_at: float | None = None
     finished_at: float | None = None
 
@@ -291,6 +319,10 @@ def _check_turn(index: int, turn: Turn, checked_prefix: int, out: list[Violation
         out.append(Violation(INVALID_POLICY_VERSION, f"policy_version {turn.policy_version!r} is not an "
                              "int >= 0", index, turn.node_id))
     _check_spans(index, turn, out)
+    branch = turn.branch
+    if branch is not None and (type(branch.id) is not int or branch.id < 0 or branch.reason not in BRANCH_REASONS):
+        out.append(Violation(INVALID_BRANCH, f"branch {branch.id!r} ({branch.reason!r}) needs an int id >= 0 and one "
+                             f"of {', '.join(BRANCH_REASONS)}", index, turn.node_id))
     if not turn.prompt_token_ids:
         out.append(Violation(NO_PROMPT_IDS, "prompt_token_ids is empty", index, turn.node_id))
     bad = _bad_int_index(turn.prompt_token_ids[checked_prefix:])

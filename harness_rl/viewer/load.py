@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from harness_rl.learner.rows import completion_mask
+from harness_rl.learner.rows import AGENT_ONLY, completion_mask
 from harness_rl.trace import Request, TraceFormatError, TrainingTrace, Turn
 from harness_rl.viewer.model import (
+    BranchView,
     Chart,
     MessageView,
     PrefixBreakView,
@@ -43,6 +45,9 @@ CHARTS = (
           keys=["sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean"],
           labels=["max", "mean"]),
     Chart(title="After each sync |Δ logprob|", keys=["sync/logp_difference_max"]),
+    Chart(title="Tool calls per rollout", keys=["tools/call_frequency"]),
+    Chart(title="Tool failure rate", keys=["tools/failure_frequency"]),
+    Chart(title="Verifier reward (with --reward-fn)", keys=["rollout/correctness_mean"]),
 )
 MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a note saying how much
 BREAK_WINDOW = 8  # tokens shown on each side of a prefix break
@@ -86,6 +91,7 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
     their turns are missing.
     """
     texts = Texts()
+    roles = _train_roles(run_dir)
     rows = _read_jsonl(run_dir / "rollouts.jsonl")
     rollouts = [_rollout_from_row(row) for row in rows]
     budget = max_bytes
@@ -100,7 +106,7 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
             view.trace_note = "trace not embedded: the page is full (raise --max-mb or choose --steps)"
         else:
             count, chars = len(texts.items), texts.chars
-            _attach_trace(view, run_dir / trace_path, tokens, texts)
+            _attach_trace(view, run_dir / trace_path, tokens, texts, roles)
             size = texts.chars - chars + len(msgspec.json.encode(view))
             if size > budget and view.turns is not None:
                 texts.rollback(count)
@@ -109,7 +115,8 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
             else:
                 budget -= size
     if not rows:  # an older run without rollouts.jsonl: whatever traces it left
-        rollouts = [_rollout_from_trace_file(path, tokens, texts) for path in sorted(run_dir.glob("traces/*.json"))]
+        rollouts = [_rollout_from_trace_file(path, tokens, texts, roles)
+                    for path in sorted(run_dir.glob("traces/*.json"))]
     return View(
         title=run_dir.resolve().name, source=str(run_dir), tokenizer=str(tokens.path) if tokens else None,
         charts=list(CHARTS), metrics=_charted_metrics(_read_jsonl(run_dir / "metrics.jsonl")),
@@ -184,14 +191,16 @@ def _rollout_from_row(row: dict[str, Any]) -> RolloutView:
         reward=_number(row.get("reward")), env_reward=_number(row.get("env_reward")),
         advantage=_number(row.get("advantage")), error=row.get("error") or None,
         timed_out=bool(row.get("timed_out")), exit_code=_integer(row.get("exit_code")),
-        tool_call_count=_integer(row.get("tool_call_count")), turn_count=_integer(row.get("turns")) or 0,
+        tool_call_count=_integer(row.get("tool_call_count")),
+        tool_failure_count=_integer(row.get("tool_failure_count")), turn_count=_integer(row.get("turns")) or 0,
         duration_s=_number(row.get("duration_s")),
     )
 
 
-def _rollout_from_trace_file(path: Path, tokens: TokenText | None, texts: Texts) -> RolloutView:
+def _rollout_from_trace_file(path: Path, tokens: TokenText | None, texts: Texts,
+                             roles: frozenset[str] = AGENT_ONLY) -> RolloutView:
     view = RolloutView(rollout_id=path.stem)
-    trace = _attach_trace(view, path, tokens, texts)
+    trace = _attach_trace(view, path, tokens, texts, roles)
     if trace is not None:
         meta = trace.metadata
         view.rollout_id = trace.rollout_id
@@ -202,7 +211,8 @@ def _rollout_from_trace_file(path: Path, tokens: TokenText | None, texts: Texts)
     return view
 
 
-def _attach_trace(view: RolloutView, path: Path, tokens: TokenText | None, texts: Texts) -> TrainingTrace | None:
+def _attach_trace(view: RolloutView, path: Path, tokens: TokenText | None, texts: Texts,
+                  roles: frozenset[str]) -> TrainingTrace | None:
     try:
         trace = TrainingTrace.load(path)
     except FileNotFoundError:
@@ -211,17 +221,30 @@ def _attach_trace(view: RolloutView, path: Path, tokens: TokenText | None, texts
     except (TraceFormatError, OSError) as exc:
         view.trace_note = f"trace unreadable: {exc}"
         return None
-    view.turns = turn_views(trace, tokens, texts)
+    view.turns = turn_views(trace, tokens, texts, roles)
     view.turn_count = view.turn_count or len(trace.turns)
     return trace
 
 
-def turn_views(trace: TrainingTrace, tokens: TokenText | None, texts: Texts) -> list[TurnView]:
+def turn_views(trace: TrainingTrace, tokens: TokenText | None, texts: Texts,
+               roles: frozenset[str] = AGENT_ONLY) -> list[TurnView]:
+    """Each turn as the page draws it; `mask` is what the learner trains with these train roles."""
     by_id = {turn.node_id: turn for turn in trace.turns}
-    return [_turn_view(turn, by_id, tokens, texts) for turn in trace.turns]
+    return [_turn_view(turn, by_id, tokens, texts, roles) for turn in trace.turns]
 
 
-def _turn_view(turn: Turn, by_id: dict[str, Turn], tokens: TokenText | None, texts: Texts) -> TurnView:
+def _train_roles(run_dir: Path) -> frozenset[str]:
+    """The run's `--train-roles` (its config.toml), else the default: the agent's own turns."""
+    try:
+        learner = tomllib.loads((run_dir / "config.toml").read_text()).get("learner", {})
+    except (OSError, ValueError):
+        return AGENT_ONLY
+    roles = learner.get("train_roles") if isinstance(learner, dict) else None
+    return frozenset(roles) if isinstance(roles, list) and roles else AGENT_ONLY
+
+
+def _turn_view(turn: Turn, by_id: dict[str, Turn], tokens: TokenText | None, texts: Texts,
+               roles: frozenset[str]) -> TurnView:
     parent = by_id.get(turn.parent_id) if turn.parent_id else None
     new_start = len(parent.sequence) if parent is not None else 0
     new_prompt = turn.prompt_token_ids[new_start:]
@@ -237,13 +260,15 @@ def _turn_view(turn: Turn, by_id: dict[str, Turn], tokens: TokenText | None, tex
     delivered = turn.delivered
     return TurnView(
         node_id=turn.node_id, parent_id=turn.parent_id, role=turn.role, policy_version=turn.policy_version,
+        branch=BranchView(id=turn.branch.id, reason=turn.branch.reason, origin=turn.branch.origin)
+        if turn.branch is not None else None,
         finish_reason=turn.finish_reason, prompt_source=turn.prompt_source,
         prefix_break=prefix_break, delivered=bool(delivered),
         prompt_tokens=len(turn.prompt_token_ids), new_prompt_tokens=len(new_prompt),
         new_prompt_text=texts.ref(tokens.decode(new_prompt)) if tokens is not None and new_prompt else None,
         ids=turn.completion_token_ids, logps=[round(lp, LOGP_DIGITS) for lp in turn.per_token_logps],
         learner_logps=[round(float(lp), LOGP_DIGITS) for lp in learner] if learner else None,
-        mask="".join("1" if m else "0" for m in completion_mask(turn)),
+        mask="".join("1" if m else "0" for m in completion_mask(turn, roles)),
         messages=[_message_view(m, texts) for m in messages[shared:]], message_count=len(messages),
         reply=_reply_view(turn, texts),
         duration_s=(turn.finished_at - turn.started_at

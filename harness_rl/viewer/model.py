@@ -40,10 +40,19 @@ class PrefixBreakView(msgspec.Struct, kw_only=True, omit_defaults=True):
     theirs: list[int] = []
 
 
+class BranchView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The conversation a turn belongs to (`harness_rl.trace.Branch`)."""
+
+    id: int
+    reason: str
+    origin: str | None = None  # node id of the turn it began from
+
+
 class TurnView(msgspec.Struct, kw_only=True, omit_defaults=True):
     node_id: str
     parent_id: str | None = None
     role: str
+    branch: BranchView | None = None
     policy_version: int | None = None
     finish_reason: str | None = None
     prompt_source: str | None = None  # "spliced" | "rendered" | None (not recorded)
@@ -55,7 +64,8 @@ class TurnView(msgspec.Struct, kw_only=True, omit_defaults=True):
     ids: list[int]  # completion token ids
     logps: list[float]  # behaviour logprobs, one per completion token
     learner_logps: list[float] | None = None
-    mask: str  # what the learner trains, one "0"/"1" per completion token (the loss mask; all 0 off agent turns)
+    mask: str  # what the learner trains, one "0"/"1" per completion token (the loss mask; all 0 off the run's
+    # train roles, by default every turn but the agent's own)
     messages: list[MessageView] = []  # request messages past those the parent's request already held
     message_count: int = 0  # all request messages
     reply: ReplyView | None = None
@@ -75,6 +85,7 @@ class RolloutView(msgspec.Struct, kw_only=True, omit_defaults=True):
     timed_out: bool = False
     exit_code: int | None = None
     tool_call_count: int | None = None
+    tool_failure_count: int | None = None
     turn_count: int = 0
     duration_s: float | None = None
     turns: list[TurnView] | None = None  # None: no trace (not recorded, not embedded, or unreadable)

@@ -3,7 +3,7 @@
 (() => {
   const D = JSON.parse(document.getElementById("data").textContent);
   const TOKEN_CAP = 300; // tokens rendered per turn before "show all"
-  const LIST_ROLE = { agent: "agent", auxiliary: "auxiliary", discarded: "discarded" };
+  const LIST_ROLE = { agent: "agent", summary: "summary", auxiliary: "auxiliary", discarded: "discarded" };
   const SERIES_COLOURS = ["#1f9d55", "#4f46e5", "#7c3aed", "#0e9384", "#b54708", "#1570ef", "#d92d20", "#c11574"];
   const $ = (id) => document.getElementById(id);
   const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
@@ -382,14 +382,14 @@
     }
     const r = D.rollouts[state.selected];
     const turns = r.turns || [];
-    const trained = turns.reduce((a, t) => a + (t.role === "agent" ? [...t.mask].filter((m) => m === "1").length : 0), 0);
+    const trained = turns.reduce((a, t) => a + [...t.mask].filter((m) => m === "1").length, 0);
     const chips = [];
     if (r.step != null) chips.push(`<span class="chip">step <b>${num(r.step)}</b></span>`);
     if (r.group_id != null) chips.push(`<span class="chip">group <b>${num(r.group_id)}</b></span>`);
     if (r.task) chips.push(`<button class="chip" data-filter="task" data-value="${esc(r.task)}">task <b>${esc(r.task)}</b></button>`);
     if (r.harness) chips.push(`<button class="chip" data-filter="harness" data-value="${esc(r.harness)}">harness <b>${esc(r.harness)}</b></button>`);
     if (r.exit_code != null) chips.push(`<span class="chip">exit <b>${r.exit_code}</b></span>`);
-    if (r.tool_call_count != null) chips.push(`<span class="chip">tool calls <b>${r.tool_call_count}</b></span>`);
+    if (r.tool_call_count != null) chips.push(`<span class="chip">tool calls <b>${r.tool_call_count}</b>${r.tool_failure_count ? ` · <b>${r.tool_failure_count}</b> failed` : ""}</span>`);
     if (r.duration_s != null) chips.push(`<span class="chip"><b>${num(r.duration_s)}</b> s</span>`);
     if (r.timed_out) chips.push(`<span class="chip" style="color:var(--warn)">timed out</span>`);
     const figures = [["reward", num(r.reward)], ["advantage", signed(r.advantage)]];
@@ -406,10 +406,16 @@
     box.querySelectorAll("button.chip[data-filter]").forEach((b) => b.addEventListener("click", () => setTerm(b.dataset.filter, b.dataset.value)));
   }
 
+  // One lane per branch when the trace has branches (main, subagent, after a compaction, ...), else per chain.
   function lanes(turns) {
     const index = new Map(turns.map((t, k) => [t.node_id, k]));
     const lane = [], used = new Set();
     let next = 0;
+    if (turns.length && turns.every((t) => t.branch)) {
+      const ids = [...new Set(turns.map((t) => t.branch.id))].sort((a, b) => a - b);
+      turns.forEach((t, k) => { lane[k] = ids.indexOf(t.branch.id); });
+      return { lane, index, count: ids.length };
+    }
     turns.forEach((t, k) => {
       const p = t.parent_id != null ? index.get(t.parent_id) : undefined;
       if (p !== undefined && !used.has(p)) { lane[k] = lane[p]; used.add(p); } else { lane[k] = next++; }
@@ -441,11 +447,12 @@
     const sources = new Set(turns.map((t) => t.prompt_source ?? "none"));
     const roles = new Set(turns.map((t) => t.role));
     const legend = [];
-    for (const role of ["agent", "auxiliary", "discarded"]) if (roles.has(role)) legend.push(`<span><i class="swatch" style="background:var(--${role})"></i>${role}</span>`);
+    for (const role of ["agent", "summary", "auxiliary", "discarded"]) if (roles.has(role)) legend.push(`<span><i class="swatch" style="background:var(--${role})"></i>${role}</span>`);
     if (sources.has("spliced")) legend.push(`<span><i class="swatch solid"></i>spliced</span>`);
     if (sources.has("rendered")) legend.push(`<span><i class="swatch ring"></i>rendered</span>`);
     if (sources.has("none")) legend.push(`<span><i class="swatch solid" style="opacity:.5"></i>prompt source not recorded</span>`);
     if (turns.some((t) => t.prefix_break)) legend.push(`<span><i class="swatch brk"></i>prefix broke</span>`);
+    const branches = branchList(turns);
     const learner = hasLearner(r);
     const mode = learner && state.colour === "mismatch" ? "mismatch" : "behaviour";
     const scale = mode === "mismatch"
@@ -453,8 +460,22 @@
       : `<span class="scale">behaviour p 1 <i style="background:linear-gradient(90deg,${[0, 0.25, 0.5, 0.75, 1].map((u) => behaviourColour(-u * Math.log(1000))).join(",")})"></i> ≤ 0.001</span>`;
     const toggle = learner ? ` <span class="hint">(<kbd>m</kbd> colours by ${mode === "mismatch" ? "behaviour p" : "learner mismatch"})</span>` : "";
     return `<section class="graph-card"><div class="card-title">Turn graph <span class="hint">${turns.length} turns · click a turn · <kbd>n</kbd>/<kbd>p</kbd></span></div>
-      <div class="graph-scroll"><svg width="${width}" height="${height}">${edges}${nodes}</svg></div>
+      <div class="graph-scroll"><svg width="${width}" height="${height}">${edges}${nodes}</svg></div>${branches}
       <div class="legend">${legend.join("")}<span style="flex:1"></span>${scale}<span class="masked-swatch">mask 0</span>${toggle}</div></section>`;
+  }
+
+  // The branches of a trace, one per lane from the top: why each began and from which turn.
+  function branchList(turns) {
+    const first = new Map();
+    turns.forEach((t, k) => { if (t.branch && !first.has(t.branch.id)) first.set(t.branch.id, k); });
+    if (!first.size) return "";
+    const items = [...first.keys()].sort((a, b) => a - b).map((id) => {
+      const t = turns[first.get(id)], b = t.branch;
+      const from = b.origin != null ? turns.findIndex((u) => u.node_id === b.origin) : -1;
+      const count = turns.filter((u) => u.branch && u.branch.id === id).length;
+      return `<span class="branch"><b>${id}</b> ${esc(b.reason.replace("_", " "))}${from >= 0 ? ` ← <a href="#" data-goto="${from}">#${from}</a>` : ""} <span class="hint">${count} turn${count === 1 ? "" : "s"}</span></span>`;
+    });
+    return `<div class="branches"><span class="hint">branches</span>${items.join("")}</div>`;
   }
 
   function tokenText(id) {
@@ -515,6 +536,7 @@
       : t.parent_id ? `<span>← ${esc(t.parent_id)} (missing)</span>` : `<span class="hint" style="margin:0">root</span>`;
     let html = `<section class="turn${k === state.turn ? " current" : ""}" id="turn-${k}" data-k="${k}">
       <div class="turn-head"><span class="index">#${k}</span><span class="badge ${LIST_ROLE[t.role] || "discarded"}">${esc(t.role)}</span>${source}
+      ${t.branch ? `<span class="badge branch" title="the conversation this turn belongs to, and why it began">branch ${t.branch.id} · ${esc(t.branch.reason.replace("_", " "))}</span>` : ""}
       ${t.delivered === false ? `<span class="badge undelivered" title="the agent never received this completion">undelivered</span>` : ""}
       <span class="node-id">${esc(t.node_id)}</span>${parent}<span class="spacer"></span><span class="nums">${nums}</span></div>`;
     const b = t.prefix_break;
@@ -591,6 +613,7 @@
       const t = r.turns[+node.dataset.k];
       const trained = [...t.mask].filter((m) => m === "1").length;
       return showTip(e, `<b>#${node.dataset.k}</b> ${esc(t.role)} · ${esc(t.prompt_source || "source not recorded")}` + rows([
+        ...(t.branch ? [["branch", `${t.branch.id} · ${esc(t.branch.reason.replace("_", " "))}`]] : []),
         ["node", esc(t.node_id)], ["policy version", num(t.policy_version)], ["prompt", `${num(t.prompt_tokens)} (+${num(t.new_prompt_tokens)} new)`],
         ["completion", num(t.ids.length)], ["trained", num(trained)], ...(t.prefix_break ? [["prefix broke", esc(t.prefix_break.cause)]] : [])]));
     }
