@@ -50,7 +50,8 @@ def test_the_command_sets_every_capture_and_sync_flag(tmp_path: Path) -> None:
         "--model": str(tmp_path / "m"), "--served-model-name": "tiny", "--host": "127.0.0.1", "--port": "8123",
         "--max-model-len": "131072", "--logprobs-mode": "processed_logprobs", "--return-tokens-as-token-ids": None,
         "--generation-config": "vllm", "--enable-scale-out": None, "--enable-auto-tool-choice": None,
-        "--dtype": "float32", "--tool-call-parser": "hermes"}
+        "--dtype": "float32", "--tool-call-parser": "hermes", "--no-enable-chunked-prefill": None,
+        "--max-num-batched-tokens": "131072"}
     assert launch.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     assert launch.url == "http://127.0.0.1:8123"
     assert launch.shell().startswith("VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 "
@@ -62,6 +63,21 @@ def test_nccl_weight_transfer_only_with_cuda(tmp_path: Path) -> None:
     assert json.loads(flags(launch)["--weight-transfer-config"] or "") == {"backend": "nccl"}
     assert "VLLM_CPU_KVCACHE_SPACE" not in launch.env
     assert "--weight-transfer-config" not in flags(vllm_launch(model_dir(tmp_path), python="py", cuda=False))
+
+
+def test_vllm_cpu_never_splits_a_prefill_and_cuda_keeps_vllms_default(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 dies on a seeded request whose prefill is split (test_vllm_seeded_prefill.py shows it)."""
+    cpu = flags(vllm_launch(model_dir(tmp_path), python="py", cuda=False, extra_args=["--max-model-len", "4096"]))
+    assert "--no-enable-chunked-prefill" in cpu and cpu["--max-num-batched-tokens"] == "4096"
+    gpu = flags(vllm_launch(model_dir(tmp_path), python="py", cuda=True, extra_args=["--enable-chunked-prefill"]))
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
+    for extra in (["--enable-chunked-prefill"], ["--long-prefill-token-threshold", "512"],
+                  ["--long_prefill_token_threshold=8"]):
+        with pytest.raises(VllmSetupError, match="^refusing --[a-z-]+ ?[0-9]*: vllm-cpu kills its engine on a seeded"):
+            vllm_launch(model_dir(tmp_path), python="py", cuda=False, extra_args=extra)
+    allowed = vllm_launch(model_dir(tmp_path), python="py", cuda=False,
+                          extra_args=["--long-prefill-token-threshold", "0", "--max-num-batched-tokens", "200000"])
+    assert flags(allowed)["--max-num-batched-tokens"] == "200000"
 
 
 @pytest.mark.parametrize(("model_type", "template", "tool", "reasoning"), [

