@@ -174,6 +174,72 @@ def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
     assert 0 < spans[0]["end"] < n
 
 
+LONG_TEXT = " ".join(str(i) for i in range(600))  # ~2,400 tokens: a prefill vLLM's CPU default would split
+SYNCS = 20
+
+
+def stream_chat(session: Any, messages: list[dict[str, str]], seed: int, started: threading.Event) -> None:
+    """One agent's streamed call through the proxy, read to the end; `started` is set at its first chunk."""
+    import httpx
+
+    body = {"model": "m", "messages": messages, "max_tokens": 600, "seed": seed, "stream": True}
+    with httpx.stream("POST", f"{session.openai_base_url}/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {session.key}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                assert "error" not in json.loads(line[6:]), line
+                started.set()
+
+
+@pytest.mark.slow
+def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_capture_exact(
+        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path, loop: BackgroundLoop, make_sync) -> None:
+    """Agents' seeded calls, one of them past 2,048 prompt tokens, stream through the proxy while the learner
+    pushes 20 versions in a row. Each call's tokens keep the logprobs of the weights that sampled them (version
+    spans), also after vLLM recomputed a preempted call under the new weights."""
+    from harness_rl.background import serve_proxy
+    from harness_rl.weight_sync import ProxyGate
+    from proxy.client import ProxyClient
+    from proxy.config import ProxyConfig
+
+    url = vllm_weights.url
+    models = {v: learner(tiny_model_dir, noise_seed=None if v == 0 else 100 + v) for v in range(SYNCS + 1)}
+    agents = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count."}],
+              [{"role": "user", "content": LONG_TEXT}]]
+    straddled = 0
+    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "proxy")), loop) as proxy:
+        client = ProxyClient(proxy.url, proxy.admin_token)
+        gate = ProxyGate(make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir), client, loop)
+        gate.push(models[0], 0)
+        for version in range(1, SYNCS + 1):
+            sessions = [loop.run(client.create_session()) for _ in agents]
+            started = [threading.Event() for _ in agents]
+            calls = [threading.Thread(target=stream_chat, args=(s, m, 1000 * version + i, e))
+                     for i, (s, m, e) in enumerate(zip(sessions, agents, started, strict=True))]
+            for call in calls:
+                call.start()
+            assert all(event.wait(300) for event in started)
+            gate.push(models[version], version)
+            for call in calls:
+                call.join(600)
+            assert vllm_weights.failure() is None
+            for session, messages in zip(sessions, agents, strict=True):
+                (turn,) = loop.run(client.get_trace(session.id)).validate().turns
+                assert len(turn.prompt_token_ids) > 2048 or messages[0]["content"] != LONG_TEXT
+                versions = turn.token_versions()
+                assert set(versions) <= {version - 1, version} and versions == sorted(versions)
+                straddled += len(set(versions)) == 2
+                for v in set(versions):
+                    ours = learner_logprobs(models[v], turn.prompt_token_ids, turn.completion_token_ids, 1.0)
+                    theirs = torch.tensor(turn.per_token_logps)
+                    sampled = torch.tensor(versions) == v
+                    assert float((ours - theirs)[sampled].abs().max()) <= EXACT, (version, v)
+        loop.run(client.close())
+    assert vllm_get(url, "/weight_info") == {"weight_version": str(SYNCS)}
+    print(f"{straddled} of {SYNCS * len(agents)} calls were sampled by two versions")
+    assert straddled > 0
+
+
 class FailingAt(weight_sync.EngineControl):
     """The real server's control routes, except that one answers an error."""
 

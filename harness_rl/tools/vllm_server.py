@@ -51,6 +51,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -258,17 +259,40 @@ def has_cuda(python: str, timeout_s: float = 60.0) -> bool:
         return False
 
 
+def health_failure(url: str, timeout_s: float = 10.0) -> str | None:
+    """Why the server at `url` cannot serve (`/health` refused, or answered 503 as vLLM does once its engine
+    died), or None. A timeout is not a failure: a busy engine answers late, a dead one refuses or says 503."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as error:
+        return f"GET {url}/health answered HTTP {error.code}"
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, TimeoutError):
+            return None
+        return f"GET {url}/health failed: {error.reason}"
+    except TimeoutError:
+        return None
+    except OSError as error:
+        return f"GET {url}/health failed: {error}"
+
+
+ERROR_LINE = re.compile(r" ERROR .*?\b([A-Z]\w*(?:Error|Exception): .+)$")
+
+
 class VllmProcess:
     """vLLM as a child process in its own process group, its output in a log file.
 
     `start()` returns once `/health` answers 200, or raises VllmSetupError with the tail of the log
-    (the process has then been stopped); `stop()` ends the whole group, politely first.
+    (the process has then been stopped); `failure()` says why a started vLLM can no longer serve;
+    `stop()` ends the whole group, politely first.
     """
 
     def __init__(self, launch: VllmLaunch, log_path: Path) -> None:
         self.launch = launch
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this start's output begins in a log file shared with earlier starts
 
     @property
     def url(self) -> str:
@@ -277,6 +301,7 @@ class VllmProcess:
     def start(self, timeout_s: float = 600.0) -> VllmProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self.process = subprocess.Popen(self.launch.command, env={**os.environ, **self.launch.env},
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -300,6 +325,31 @@ class VllmProcess:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def failure(self) -> str | None:
+        """Why this vLLM can no longer serve, in one line with the first error its log shows; None while it can."""
+        if self.process is None:
+            return "vLLM is not running"
+        code = self.process.poll()
+        reason = f"vLLM exited with code {code}" if code is not None else health_failure(self.url)
+        if reason is None:
+            return None
+        cause = self.first_error()
+        return f"{reason}{f' after {cause}' if cause else ''} (its log: {self.log_path})"
+
+    def first_error(self) -> str | None:
+        """The first exception line (`RuntimeError: ...`) vLLM logged since this start: the root cause, which
+        its engine's later errors (`EngineDeadError: ...`) only point back to."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                for raw in log:
+                    match = ERROR_LINE.search(raw.decode(errors="replace").rstrip())
+                    if match:
+                        return match.group(1)
+        except OSError:
+            pass
+        return None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the whole group (vLLM's engine and workers are in it), SIGKILL after `timeout_s`."""
