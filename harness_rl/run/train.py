@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from harness_rl.run.stack import Stack
 
 
+ENGINE_CHECK_S = 10.0  # how often a run asks whether its engine is still there
+
+
 def default_output_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{config.rollouts.harness}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
@@ -60,6 +63,7 @@ class Run:
     tokenizer: Any
     ready: asyncio.Queue[RolloutGroup] | None = None
     rolling: asyncio.Task[None] | None = None
+    watching: asyncio.Task[None] | None = None
     started: float = field(default_factory=time.time)
 
     @property
@@ -72,13 +76,20 @@ class Run:
 
     def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
         """The training loop: rollouts in, one learner step per `groups_per_step` groups, until `max_steps`."""
+        from harness_rl.learner.weight_sync import WeightSyncError
+
         settings = self.config.learner
         self.loop.run(self._start_rollouts())
         while self.learner.step_count < settings.max_steps:
             waited = time.perf_counter()
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
+            self._stop_if_engine_gone()  # its last rollouts failed for that, not for what the policy did
             _stop_on_setup_failures(batch, self.learner.step_count + 1)
-            metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            try:
+                metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            except WeightSyncError:
+                self._stop_if_engine_gone()
+                raise
             self.metrics.log(self.learner.step_count, metrics)
             self.files.write(self.learner.step_count, batch)
             self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
@@ -92,22 +103,37 @@ class Run:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
         self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
         self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
+        self.watching = asyncio.create_task(self._watch_engine())
 
     async def _next_group(self) -> RolloutGroup:
-        """The next finished group; the scheduler's error if it stopped instead."""
-        assert self.ready is not None and self.rolling is not None
+        """The next finished group; the scheduler's error if it stopped instead, RunStopped if the engine died."""
+        assert self.ready is not None and self.rolling is not None and self.watching is not None
         getter = asyncio.ensure_future(self.ready.get())
-        await asyncio.wait({getter, self.rolling}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({getter, self.rolling, self.watching}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
         getter.cancel()
+        if self.watching.done():
+            self.watching.result()
         self.rolling.result()
         raise RunStopped("the rollout scheduler ran out of work")
 
+    async def _watch_engine(self) -> None:
+        """Raise RunStopped once the engine is gone, rather than let every rollout fail against it."""
+        while (reason := await asyncio.to_thread(self.stack.engine.failure)) is None:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        raise _engine_gone(self.stack.engine.url, reason)
+
+    def _stop_if_engine_gone(self) -> None:
+        reason = self.stack.engine.failure()
+        if reason is not None:
+            raise _engine_gone(self.stack.engine.url, reason)
+
     async def _stop_rollouts(self) -> None:
-        if self.rolling is not None:
-            self.rolling.cancel()
-            await asyncio.gather(self.rolling, return_exceptions=True)
+        for task in (self.rolling, self.watching):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def save(self) -> Path:
         """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
@@ -125,6 +151,10 @@ class Run:
         self.metrics.close()
         self.files.close()
         self.stack.close()
+
+
+def _engine_gone(url: str, reason: str) -> RunStopped:
+    return RunStopped(f"the engine at {url} is gone: {reason}")
 
 
 def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:

@@ -259,9 +259,18 @@ def has_cuda(python: str, timeout_s: float = 60.0) -> bool:
         return False
 
 
-def health_failure(url: str, timeout_s: float = 10.0) -> str | None:
+def health_failure(url: str, timeout_s: float = 10.0, confirm_s: float = 1.0) -> str | None:
     """Why the server at `url` cannot serve (`/health` refused, or answered 503 as vLLM does once its engine
-    died), or None. A timeout is not a failure: a busy engine answers late, a dead one refuses or says 503."""
+    died), seen twice `confirm_s` apart; or None. A timeout is not a failure: a busy engine answers late, a
+    dead one refuses or says 503."""
+    reason = _health_probe(url, timeout_s)
+    if reason is not None and confirm_s > 0:
+        time.sleep(confirm_s)
+        reason = _health_probe(url, timeout_s)
+    return reason
+
+
+def _health_probe(url: str, timeout_s: float) -> str | None:
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout_s):
             return None
