@@ -53,8 +53,11 @@ def splitting_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def generate(url: str, prompt_tokens: int, seed: int | None) -> list[int]:
+    """Four tokens after a prompt of its own (no prefix-cache hit: the whole prompt is prefilled)."""
     sampling = {"max_tokens": 4, "ignore_eos": True} | ({"seed": seed} if seed is not None else {})
-    body = {"model": "tiny", "token_ids": [5 + i % 3000 for i in range(prompt_tokens)], "sampling_params": sampling}
+    first = 5 + prompt_tokens + (seed or 0)
+    prompt = [(first + i) % 4000 for i in range(prompt_tokens)]
+    body = {"model": "tiny", "token_ids": prompt, "sampling_params": sampling}
     return vllm_post(url, "/inference/v1/generate", body)["choices"][0]["token_ids"]
 
 

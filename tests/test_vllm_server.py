@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from harness_rl.tools.vllm_server import (
     VllmSetupError,
     cpu_kv_cache_gib,
     find_vllm_python,
+    health_failure,
     vllm_launch,
 )
 
@@ -224,3 +226,42 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
         return stat.read().split()[2] != "Z"
+
+
+# A stand-in vLLM: /health answers 200 until /die, which logs an engine error as vLLM's processes do and exits.
+FAKE_SERVER = """
+import http.server, sys, threading
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+        if self.path == '/die':
+            print('(Worker pid=7) ERROR 12-01 [run.py:1] RuntimeError: CPU Generator does not use offset')
+            print('(APIServer pid=6) ERROR 12-01 [llm.py:2] EngineDeadError: EngineCore encountered an issue.')
+            sys.stdout.flush()
+            threading.Thread(target=server.shutdown).start()
+    def log_message(self, *args): pass
+server = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), Handler)
+server.serve_forever()
+sys.exit(3)
+"""
+
+
+def test_a_started_child_that_dies_is_named_with_the_first_error_of_its_log(tmp_path: Path) -> None:
+    from harness_rl.weight_sync import free_port
+
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    log.write_text("(APIServer pid=1) ERROR 11-30 [x.py:1] OSError: from the run before\n")
+    launch = fake_launch(FAKE_SERVER, port)
+    launch = VllmLaunch(command=[*launch.command, str(port)], env={}, url=launch.url, served_model_name="fake",
+                        max_model_len=1)
+    with VllmProcess(launch, log) as server:
+        server.start(timeout_s=30)
+        assert server.failure() is None
+        urllib.request.urlopen(f"{server.url}/die", timeout=30).close()
+        assert server.process is not None and server.process.wait(30) == 3
+        assert server.failure() == f"vLLM exited with code 3 after RuntimeError: CPU Generator does not use offset " \
+                                   f"(its log: {log})"
+    assert server.failure() == "vLLM is not running"
+    assert health_failure(server.url, timeout_s=5, confirm_s=0) == \
+        f"GET {server.url}/health failed: [Errno 111] Connection refused"
