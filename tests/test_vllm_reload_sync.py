@@ -206,38 +206,47 @@ def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_ca
     models = {v: learner(tiny_model_dir, noise_seed=None if v == 0 else 100 + v) for v in range(SYNCS + 1)}
     agents = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count."}],
               [{"role": "user", "content": LONG_TEXT}]]
-    straddled = 0
     with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "proxy")), loop) as proxy:
         client = ProxyClient(proxy.url, proxy.admin_token)
         gate = ProxyGate(make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir), client, loop)
         gate.push(models[0], 0)
-        for version in range(1, SYNCS + 1):
-            sessions = [loop.run(client.create_session()) for _ in agents]
-            started = [threading.Event() for _ in agents]
-            calls = [threading.Thread(target=stream_chat, args=(s, m, 1000 * version + i, e))
-                     for i, (s, m, e) in enumerate(zip(sessions, agents, started, strict=True))]
-            for call in calls:
-                call.start()
-            assert all(event.wait(300) for event in started)
-            gate.push(models[version], version)
-            for call in calls:
-                call.join(600)
-            assert vllm_weights.failure() is None
-            for session, messages in zip(sessions, agents, strict=True):
-                (turn,) = loop.run(client.get_trace(session.id)).validate().turns
-                assert len(turn.prompt_token_ids) > 2048 or messages[0]["content"] != LONG_TEXT
-                versions = turn.token_versions()
-                assert set(versions) <= {version - 1, version} and versions == sorted(versions)
-                straddled += len(set(versions)) == 2
-                for v in set(versions):
-                    ours = learner_logprobs(models[v], turn.prompt_token_ids, turn.completion_token_ids, 1.0)
-                    theirs = torch.tensor(turn.per_token_logps)
-                    sampled = torch.tensor(versions) == v
-                    assert float((ours - theirs)[sampled].abs().max()) <= EXACT, (version, v)
-        loop.run(client.close())
+        try:
+            straddled = push_while_agents_call(vllm_weights, gate, client, loop, models, agents)
+        finally:
+            loop.run(client.close())
     assert vllm_get(url, "/weight_info") == {"weight_version": str(SYNCS)}
     print(f"{straddled} of {SYNCS * len(agents)} calls were sampled by two versions")
     assert straddled > 0
+
+
+def push_while_agents_call(server: VllmProcess, gate: Any, client: Any, loop: BackgroundLoop,
+                           models: dict[int, torch.nn.Module], agents: list[list[dict[str, str]]]) -> int:
+    """Versions 1..SYNCS, each pushed while every agent's call streams, each turn checked; how many straddled."""
+    straddled = 0
+    for version in range(1, SYNCS + 1):
+        sessions = [loop.run(client.create_session()) for _ in agents]
+        started = [threading.Event() for _ in agents]
+        calls = [threading.Thread(target=stream_chat, args=(s, m, 1000 * version + i, e))
+                 for i, (s, m, e) in enumerate(zip(sessions, agents, started, strict=True))]
+        for call in calls:
+            call.start()
+        assert all(event.wait(300) for event in started)
+        gate.push(models[version], version)
+        for call in calls:
+            call.join(600)
+        assert server.failure() is None
+        for session, messages in zip(sessions, agents, strict=True):
+            (turn,) = loop.run(client.get_trace(session.id)).validate().turns
+            assert len(turn.prompt_token_ids) > 2048 or messages[0]["content"] != LONG_TEXT
+            versions = turn.token_versions
+            assert set(versions) <= {version - 1, version} and versions == sorted(versions)
+            straddled += len(set(versions)) == 2
+            theirs = torch.tensor(turn.per_token_logps)
+            for v in set(versions):
+                ours = learner_logprobs(models[v], turn.prompt_token_ids, turn.completion_token_ids, 1.0)
+                sampled = torch.tensor(versions) == v
+                assert float((ours - theirs)[sampled].abs().max()) <= EXACT, (version, v)
+    return straddled
 
 
 class FailingAt(weight_sync.EngineControl):
