@@ -175,22 +175,26 @@ def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
 
 
 SYNCS = 20
+GENERATED = 400  # tokens each call samples
 LONG_PROMPT = 2400  # tokens: a prefill (and a recompute after a sync) that vLLM's CPU default would split
 
 
 def stream_generate(url: str, prompt: list[int], seed: int, sampling: threading.Event,
                     chunks: list[dict[str, Any]]) -> None:
     """One seeded call as the proxy makes it (streamed token-in generate), read to the end into `chunks`;
-    `sampling` is set at its first chunk, once vLLM has sampled some of it."""
+    `sampling` is set at its first chunk, once vLLM has sampled some of it (or when the call failed)."""
     body = {"model": "tiny", "token_ids": prompt, "stream": True, "sampling_params": {
-        "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "logprobs": 0, "seed": seed}}
+        "temperature": 1.0, "max_tokens": GENERATED, "ignore_eos": True, "logprobs": 0, "seed": seed}}
     request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=600) as stream:
-        for line in stream:
-            if line.startswith(b"data: {"):
-                chunks.append(json.loads(line[6:]))
-                sampling.set()
+    try:
+        with urllib.request.urlopen(request, timeout=600) as stream:
+            for line in stream:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    sampling.set()
+    finally:
+        sampling.set()
 
 
 @pytest.mark.slow
@@ -222,9 +226,11 @@ def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_ca
             ids = [t for c in read for t in c["choices"][0]["token_ids"]]
             logps = torch.tensor([e["logprob"] for c in read for e in c["choices"][0]["logprobs"]["content"]])
             spans = read[-1]["choices"][0]["weight_versions"]
-            assert len(ids) == len(logps) == 400 and spans[0]["start"] == 0 and spans[-1]["end"] == 400
+            assert len(ids) == len(logps) == GENERATED, (version, i, read[-1:])
             assert [s["version"] for s in spans] in ([str(version - 1)], [str(version)],
                                                      [str(version - 1), str(version)])
+            assert [(s["start"], s["end"]) for s in spans] in ([(0, GENERATED)],
+                                                               [(0, spans[0]["end"]), (spans[0]["end"], GENERATED)])
             straddled[i] += len(spans) == 2
             for span in spans:
                 ours = learner_logprobs(models[int(span["version"])], prompt, ids, 1.0)
