@@ -175,7 +175,7 @@ def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
 
 
 SYNCS = 20
-GENERATED = 400  # tokens each call samples
+GENERATED = 160  # tokens each call samples
 LONG_PROMPT = 2400  # tokens: a prefill (and a recompute after a sync) that vLLM's CPU default would split
 
 
