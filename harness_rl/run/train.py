@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from harness_rl.run.stack import Stack
 
 
-ENGINE_CHECK_S = 10.0  # how often a run asks whether its engine is still there
+ENGINE_CHECK_S = 10.0  # how often a run asks whether its engines are still there
 
 
 def default_output_dir(config: RunConfig) -> Path:
@@ -83,12 +83,12 @@ class Run:
         while self.learner.step_count < settings.max_steps:
             waited = time.perf_counter()
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
-            self._stop_if_engine_gone()  # its last rollouts failed for that, not for what the policy did
+            self._stop_if_engines_gone()  # its last rollouts failed for that, not for what the policy did
             _stop_on_setup_failures(batch, self.learner.step_count + 1)
             try:
                 metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
             except WeightSyncError:
-                self._stop_if_engine_gone()
+                self._stop_if_engines_gone()
                 raise
             self.metrics.log(self.learner.step_count, metrics)
             self.files.write(self.learner.step_count, batch)
@@ -103,10 +103,10 @@ class Run:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
         self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
         self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
-        self.watching = asyncio.create_task(self._watch_engine())
+        self.watching = asyncio.create_task(self._watch_engines())
 
     async def _next_group(self) -> RolloutGroup:
-        """The next finished group; the scheduler's error if it stopped instead, RunStopped if the engine died."""
+        """The next finished group; the scheduler's error if it stopped instead, RunStopped if the engines died."""
         assert self.ready is not None and self.rolling is not None and self.watching is not None
         getter = asyncio.ensure_future(self.ready.get())
         await asyncio.wait({getter, self.rolling, self.watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -118,16 +118,29 @@ class Run:
         self.rolling.result()
         raise RunStopped("the rollout scheduler ran out of work")
 
-    async def _watch_engine(self) -> None:
-        """Raise RunStopped once the engine is gone, rather than let every rollout fail against it."""
-        while (reason := await asyncio.to_thread(self.stack.engine.failure)) is None:
+    async def _watch_engines(self) -> None:
+        """Raise RunStopped once no engine can serve, rather than let every rollout fail against them."""
+        while (gone := await asyncio.to_thread(self._engines_gone)) is None:
             await asyncio.sleep(ENGINE_CHECK_S)
-        raise _engine_gone(self.stack.engine.url, reason)
+        raise gone
 
-    def _stop_if_engine_gone(self) -> None:
-        reason = self.stack.engine.failure()
-        if reason is not None:
-            raise _engine_gone(self.stack.engine.url, reason)
+    def _stop_if_engines_gone(self) -> None:
+        gone = self._engines_gone()
+        if gone is not None:
+            raise gone
+
+    def _engines_gone(self) -> RunStopped | None:
+        """Why the run cannot go on when no engine can serve; None while one can (with several engines, the
+        proxy moves a dead one's sessions to the others, and a restarted one rejoins)."""
+        reasons: list[tuple[str, str]] = []
+        for engine in self.stack.engines:
+            reason = engine.failure()
+            if reason is None:
+                return None
+            reasons.append((engine.url, reason))
+        if len(reasons) == 1:
+            return RunStopped(f"the engine at {reasons[0][0]} is gone: {reasons[0][1]}")
+        return RunStopped("every engine is gone: " + "; ".join(f"{url}: {reason}" for url, reason in reasons))
 
     async def _stop_rollouts(self) -> None:
         for task in (self.rolling, self.watching):
@@ -151,10 +164,6 @@ class Run:
         self.metrics.close()
         self.files.close()
         self.stack.close()
-
-
-def _engine_gone(url: str, reason: str) -> RunStopped:
-    return RunStopped(f"the engine at {url} is gone: {reason}")
 
 
 def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
