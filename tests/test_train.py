@@ -178,6 +178,45 @@ def test_a_run_that_cannot_go_on_stops_with_one_line_and_says_why_in_its_summary
     assert summary["stopped"].startswith(f"RunStopped: {reason}") and summary["steps"] == 0
 
 
+@pytest.mark.slow
+def test_a_run_whose_engine_dies_stops_with_one_line_naming_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The engine (served in its own process) is killed once a step is done: the run stops, saying so, instead of
+    failing every rollout against it."""
+    import re
+
+    from harness_rl.learner.weight_sync import free_port
+    from harness_rl.tools.vllm_server import health_failure
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = subprocess.Popen([sys.executable, "-m", "harness_rl.cli", "serve", "engine", "--model",
+                               str(tiny_model_dir), "--served-model-name", "tiny", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 300  # bounds on failure only
+        while health_failure(url) is not None:
+            assert engine.poll() is None and time.monotonic() < deadline, "the engine never answered"
+            time.sleep(0.5)
+        run = subprocess.Popen([*TRAIN, "--preset", "demo", "--engine", url, "--model", str(tiny_model_dir),
+                                "--max-steps", "1000", "--save-every", "0", "--output-dir", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.5)
+        engine.kill()
+        engine.wait()
+        stderr = run.communicate(timeout=300)[1]
+    finally:
+        engine.kill()
+    assert run.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert re.fullmatch(rf"harness-rl train: stopped: the engine at {url} is gone: GET {url}/health failed: "
+                        r"\[Errno \d+\] Connection (refused|reset by peer)", stderr.strip().splitlines()[-1])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"].startswith(f"RunStopped: the engine at {url} is gone: ") and summary["steps"] >= 1
+
+
 def test_config_file_sets_defaults_and_flags_override(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('[rollouts]\nharness = "opencode"\n[learner]\nmax-steps = 7\nlearning_rate = 0.5\n')

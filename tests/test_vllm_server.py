@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from harness_rl.tools.vllm_server import (
     VllmSetupError,
     cpu_kv_cache_gib,
     find_vllm_python,
+    health_failure,
     vllm_launch,
 )
 
@@ -50,7 +52,8 @@ def test_the_command_sets_every_capture_and_sync_flag(tmp_path: Path) -> None:
         "--model": str(tmp_path / "m"), "--served-model-name": "tiny", "--host": "127.0.0.1", "--port": "8123",
         "--max-model-len": "131072", "--logprobs-mode": "processed_logprobs", "--return-tokens-as-token-ids": None,
         "--generation-config": "vllm", "--enable-scale-out": None, "--enable-auto-tool-choice": None,
-        "--dtype": "float32", "--tool-call-parser": "hermes"}
+        "--dtype": "float32", "--tool-call-parser": "hermes", "--no-enable-chunked-prefill": None,
+        "--max-num-batched-tokens": "131072"}
     assert launch.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     assert launch.url == "http://127.0.0.1:8123"
     assert launch.shell().startswith("VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 "
@@ -62,6 +65,21 @@ def test_nccl_weight_transfer_only_with_cuda(tmp_path: Path) -> None:
     assert json.loads(flags(launch)["--weight-transfer-config"] or "") == {"backend": "nccl"}
     assert "VLLM_CPU_KVCACHE_SPACE" not in launch.env
     assert "--weight-transfer-config" not in flags(vllm_launch(model_dir(tmp_path), python="py", cuda=False))
+
+
+def test_vllm_cpu_never_splits_a_prefill_and_cuda_keeps_vllms_default(tmp_path: Path) -> None:
+    """vllm-cpu 0.32 dies on a seeded request whose prefill is split (test_vllm_seeded_prefill.py shows it)."""
+    cpu = flags(vllm_launch(model_dir(tmp_path), python="py", cuda=False, extra_args=["--max-model-len", "4096"]))
+    assert "--no-enable-chunked-prefill" in cpu and cpu["--max-num-batched-tokens"] == "4096"
+    gpu = flags(vllm_launch(model_dir(tmp_path), python="py", cuda=True, extra_args=["--enable-chunked-prefill"]))
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
+    for extra in (["--enable-chunked-prefill"], ["--long-prefill-token-threshold", "512"],
+                  ["--long_prefill_token_threshold=8"]):
+        with pytest.raises(VllmSetupError, match="^refusing --[a-z-]+ ?[0-9]*: vllm-cpu kills its engine on a seeded"):
+            vllm_launch(model_dir(tmp_path), python="py", cuda=False, extra_args=extra)
+    allowed = vllm_launch(model_dir(tmp_path), python="py", cuda=False,
+                          extra_args=["--long-prefill-token-threshold", "0", "--max-num-batched-tokens", "200000"])
+    assert flags(allowed)["--max-num-batched-tokens"] == "200000"
 
 
 @pytest.mark.parametrize(("model_type", "template", "tool", "reasoning"), [
@@ -208,3 +226,42 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
         return stat.read().split()[2] != "Z"
+
+
+# A stand-in vLLM: /health answers 200 until /die, which logs an engine error as vLLM's processes do and exits.
+FAKE_SERVER = """
+import http.server, sys, threading
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+        if self.path == '/die':
+            print('(Worker pid=7) ERROR 12-01 [run.py:1] RuntimeError: CPU Generator does not use offset')
+            print('(APIServer pid=6) ERROR 12-01 [llm.py:2] EngineDeadError: EngineCore encountered an issue.')
+            sys.stdout.flush()
+            threading.Thread(target=server.shutdown).start()
+    def log_message(self, *args): pass
+server = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), Handler)
+server.serve_forever()
+sys.exit(3)
+"""
+
+
+def test_a_started_child_that_dies_is_named_with_the_first_error_of_its_log(tmp_path: Path) -> None:
+    from harness_rl.learner.weight_sync import free_port
+
+    port = free_port()
+    log = tmp_path / "vllm.log"
+    log.write_text("(APIServer pid=1) ERROR 11-30 [x.py:1] OSError: from the run before\n")
+    launch = fake_launch(FAKE_SERVER, port)
+    launch = VllmLaunch(command=[*launch.command, str(port)], env={}, url=launch.url, served_model_name="fake",
+                        max_model_len=1)
+    with VllmProcess(launch, log) as server:
+        server.start(timeout_s=30)
+        assert server.failure() is None
+        urllib.request.urlopen(f"{server.url}/die", timeout=30).close()
+        assert server.process is not None and server.process.wait(30) == 3
+        assert server.failure() == f"vLLM exited with code 3 after RuntimeError: CPU Generator does not use offset " \
+                                   f"(its log: {log})"
+    assert server.failure() == "vLLM is not running"
+    assert health_failure(server.url, timeout_s=5, confirm_s=0) == \
+        f"GET {server.url}/health failed: [Errno 111] Connection refused"

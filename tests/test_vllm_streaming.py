@@ -94,22 +94,39 @@ def test_streaming_from_vllm_is_exact_and_splices(vllm_server: VllmProcess, tmp_
 
 
 def test_vllm_aborts_a_generation_whose_stream_is_closed(vllm_server: VllmProcess) -> None:
-    """What the proxy relies on when an agent leaves: closing the generate stream ends vLLM's request."""
-    prompt = httpx.post(f"{vllm_server.url}/v1/chat/completions/render",
-                        json={"model": "tiny", "messages": USER}).json()["token_ids"]
-    before = metric(vllm_server.url, "generation_tokens_total")
-    body = {"token_ids": prompt, "stream": True, "sampling_params": {"max_tokens": 20000, "ignore_eos": True}}
-    with httpx.stream("POST", f"{vllm_server.url}/inference/v1/generate", json=body, timeout=60) as response:
-        next(response.iter_lines())
-    deadline, last = time.monotonic() + 20, -1.0
-    while time.monotonic() < deadline:  # until vLLM has stopped sampling: nothing running, no new tokens
-        time.sleep(0.5)
-        now = metric(vllm_server.url, "generation_tokens_total")
-        if now == last and metric(vllm_server.url, "num_requests_running") == 0:
-            break
-        last = now
-    sampled = metric(vllm_server.url, "generation_tokens_total") - before
-    assert metric(vllm_server.url, "num_requests_running") == 0 and 0 < sampled < 20000 / 4
+    """What the proxy relies on when an agent leaves: closing the generate stream ends vLLM's request.
+
+    Exact on any machine: the generation is frozen (pause keep) before its stream closes, vLLM's log says when
+    it saw the client leave, and only then does it resume, so a request that lived on would sample again."""
+    url = vllm_server.url
+    prompt = httpx.post(f"{url}/v1/chat/completions/render", json={"model": "tiny", "messages": USER}).json()
+    prompt = prompt["token_ids"]
+    try:
+        for max_tokens in (20000, 40000, 60000):  # one that ended before the pause landed proves nothing: longer
+            before = metric(url, "generation_tokens_total")
+            body = {"token_ids": prompt, "stream": True, "sampling_params": {"max_tokens": max_tokens,
+                                                                              "ignore_eos": True}}
+            with httpx.stream("POST", f"{url}/inference/v1/generate", json=body, timeout=60) as response:
+                first = next(line for line in response.iter_lines() if line.startswith("data: {"))
+                assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+                sampled = metric(url, "generation_tokens_total") - before
+            if sampled < max_tokens:
+                break
+            httpx.post(f"{url}/resume", timeout=60)
+        else:
+            pytest.fail("every generation ended before the pause reached vLLM")
+        request_id = json.loads(first[6:])["request_id"]
+        deadline = time.monotonic() + 300  # a bound on failure only
+        while f"Request {request_id} aborted." not in vllm_server.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"vLLM never logged the abort of {request_id}"
+            time.sleep(0.2)
+        frozen = metric(url, "generation_tokens_total")
+    finally:
+        httpx.post(f"{url}/resume", timeout=60)
+    flush = httpx.post(f"{url}/inference/v1/generate", timeout=60, json={
+        "token_ids": prompt, "sampling_params": {"max_tokens": 3, "ignore_eos": True}}).json()
+    assert len(flush["choices"][0]["token_ids"]) == 3
+    assert metric(url, "generation_tokens_total") == frozen + 3  # the closed request never sampled again
 
 
 def test_the_embedded_streaming_derender_reads_vllms_ids_as_vllm_does(vllm_server: VllmProcess,

