@@ -1,0 +1,194 @@
+"""`--harness harbor:<name>`: any of Harbor's agents, run by Harbor's own agent class through the bridge.
+
+Harbor's agent definition does the agent-specific work (its config files, command line, endpoint and
+key variables, telemetry switches, its log-to-ATIF conversion); this adapter starts the bridge's
+runner in `<tools>/harbor-venv` (Python >= 3.12), serves its sandbox calls on the rollout's sandbox,
+and reports from Harbor's ATIF trajectory. In the local sandbox the agent's CLI comes from the tools
+dir (installed once per machine, `adapters.harbor_bridge.install`) and Harbor runs with
+`skip_install`; in a remote sandbox (e2b, Harbor's environments) Harbor's own `install()` runs there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+from adapters.harbor_bridge.atif import read_trajectory
+from adapters.harbor_bridge.catalog import HarborAgent
+from adapters.harbor_bridge.host import RunnerGone, serve_runner
+from adapters.harbor_bridge.install import InstallError, ensure_installed, harbor_python
+from adapters.harbor_bridge.protocol import MAX_LINE, Outcome, RunSpec, send
+from adapters.harnesses.base import AgentRun, Endpoint, Harness, Launch
+from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+API_KEY_ENV = "HARNESS_RL_API_KEY"
+EXIT_GRACE_S = 60.0  # past the agent's own limit, for Harbor to stop the agent and hand back its logs
+INSTALLED_AGENT_DIR = "/installed-agent"  # where Harbor's setup puts its runner scripts
+
+
+class HarborHarness(Harness):
+    """One Harbor agent; `bridged(name)` makes the class for a name from the catalog."""
+
+    agent: ClassVar[HarborAgent]
+
+    def __init__(self, logs_dir: str | Path | None = None, **options: Any) -> None:
+        self.logs_root = Path(logs_dir) if logs_dir is not None else None
+        self.options = {**self.agent.options, **options}
+
+    def _tools_dir(self, sandbox: Sandbox) -> Path:
+        return Path(sandbox.tools_dir) if sandbox.kind == "local" else _host_tools_dir()
+
+    async def install(self, sandbox: Sandbox) -> None:
+        """Harbor itself (and, for the local sandbox, the agent's CLI) on this machine, installed once."""
+        if not self.agent.runnable:
+            raise SandboxError(f"Harbor's {self.agent.name} cannot run here ({self.agent.state}): {self.agent.note}")
+        needs = {key: value for key, value in self.agent.sandbox.items() if getattr(sandbox, key, value) != value}
+        if sandbox.kind == "local" and needs:
+            options = " ".join(f"{key}={value}" for key, value in needs.items())
+            raise SandboxError(f"Harbor's {self.agent.name} needs the local sandbox with {options}: "
+                               f"{self.agent.sandbox_reason}")
+        tools_dir = self._tools_dir(sandbox)
+        try:
+            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if sandbox.kind == "local" else None)
+        except InstallError as error:
+            raise SandboxError(str(error)) from error
+
+    def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
+        """The runner process, on this machine: Harbor's Python with this checkout importable."""
+        python = harbor_python(self._tools_dir(sandbox))
+        env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+               "PYTHONUNBUFFERED": "1"}
+        return Launch(argv=[str(python), "-m", "adapters.harbor_bridge.runner"], env=env)
+
+    def spec(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, logs_dir: Path,
+             timeout: float | None) -> RunSpec:
+        """Harbor's agent, pointed at the session in its dialect, on this sandbox."""
+        base_url = {"anthropic-messages": endpoint.anthropic_base_url,
+                    "google-gemini": endpoint.gemini_base_url}.get(self.agent.dialect or "", endpoint.openai_base_url)
+        local = sandbox.kind == "local"
+        options: dict[str, Any] = dict(self.options)
+        if self.agent.install is not None:  # an installed agent: its CLI is in the tools dir already
+            options["skip_install"] = local
+        if self.agent.version is not None:
+            options.setdefault("version", self.agent.version)
+        return RunSpec(agent=self.agent.name, model_name=f"{self.agent.provider}/{endpoint.model}", base_url=base_url,
+                       api_key=endpoint.api_key, api_key_env=API_KEY_ENV, api_format=self.agent.api_format,
+                       instruction=instruction, logs_dir=str(logs_dir), workdir=sandbox.workdir,
+                       agent_logs_dir=f"{sandbox.logs_dir}/agent", kwargs=options, timeout_s=timeout)
+
+    def _sandbox_env(self, sandbox: Sandbox) -> dict[str, str]:
+        """PATH with the agent's CLI (and its Node) first, for the local sandbox; nothing for remote ones."""
+        if sandbox.kind != "local" or self.agent.install is None:
+            return {}
+        bins = self.agent.install.bin_dirs(Path(sandbox.tools_dir), self.agent.name)
+        path = [*map(str, bins), str(Path(sandbox.python).parent), os.environ.get("PATH", "/usr/bin:/bin")]
+        return {"PATH": os.pathsep.join(path)}
+
+    def _mount_tools(self, sandbox: Sandbox) -> None:
+        """Bind the paths Harbor's commands name (`/opt/<agent>-venv`, `/installed-agent`) in the local sandbox."""
+        mount = getattr(sandbox, "mount", None)
+        if mount is None or self.agent.install is None:
+            return
+        mount(INSTALLED_AGENT_DIR, None)
+        home = self.agent.install.directory(Path(sandbox.tools_dir), self.agent.name)
+        for path, relative in self.agent.install.mounts:
+            mount(path, home / relative)
+
+    async def run(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, timeout: float | None) -> AgentRun:
+        await self.install(sandbox)
+        self._mount_tools(sandbox)
+        logs_dir = Path(tempfile.mkdtemp(prefix=f"harbor-{self.agent.name}-", dir=self._logs_root()))
+        launch = self.launch(sandbox, endpoint, instruction)
+        spec = self.spec(sandbox, endpoint, instruction, logs_dir, timeout)
+        with tempfile.TemporaryDirectory(prefix="harness-rl-bridge-") as scratch:
+            outcome, result = await self._bridge(sandbox, launch, spec, Path(scratch) / "bridge.sock", timeout)
+        if outcome is not None and outcome.phase == "setup" and outcome.error is not None:
+            raise SandboxError(f"Harbor's {self.agent.name} setup failed: {outcome.error_type}: {outcome.error}")
+        return self._report(outcome, result)
+
+    async def _bridge(self, sandbox: Sandbox, launch: Launch, spec: RunSpec, socket: Path,
+                      timeout: float | None) -> tuple[Outcome | None, ExecResult]:
+        """Start the runner, serve it until it finishes (or its time is up), and collect its log."""
+        finished: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        sandbox_env = self._sandbox_env(sandbox)
+
+        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await send(writer, spec)
+                outcome = await serve_runner(reader, writer, sandbox, sandbox_env)
+                if not finished.done():
+                    finished.set_result(outcome)
+            except (RunnerGone, ConnectionError) as error:
+                if not finished.done():
+                    finished.set_exception(error)
+            finally:
+                writer.close()
+
+        log_path = Path(spec.logs_dir) / "harbor-runner.log"
+        server = await asyncio.start_unix_server(connected, path=str(socket), limit=MAX_LINE)
+        started = asyncio.get_running_loop().time()
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *launch.argv, str(socket), env=launch.env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                stderr=asyncio.subprocess.STDOUT, cwd=str(PROJECT_ROOT), start_new_session=True)
+        exited = asyncio.ensure_future(process.wait())
+        outcome: Outcome | None = None
+        try:
+            limit = None if timeout is None else timeout + EXIT_GRACE_S
+            done, _ = await asyncio.wait({finished, exited}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+            if finished in done or (exited in done and not finished.done()):
+                with contextlib.suppress(RunnerGone, ConnectionError, asyncio.TimeoutError):
+                    outcome = await asyncio.wait_for(asyncio.shield(finished), 5)
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, 9)
+            await exited
+            server.close()
+            await server.wait_closed()
+        tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+        result = ExecResult(process.returncode, "", tail, timed_out=outcome is None and exited not in done,
+                            duration_s=asyncio.get_running_loop().time() - started)
+        return outcome, result
+
+    def _logs_root(self) -> str | None:
+        if self.logs_root is None:
+            return None
+        self.logs_root.mkdir(parents=True, exist_ok=True)
+        return str(self.logs_root)
+
+    def _report(self, outcome: Outcome | None, result: ExecResult) -> AgentRun:
+        """Harbor's outcome as an agent run: exit 0 when Harbor's `run` returned, tool calls from its trajectory."""
+        if outcome is None:
+            return AgentRun(exit_code=result.exit_code or None, timed_out=result.timed_out, stdout="",
+                            stderr=f"the Harbor runner ended without an outcome:\n{result.stderr}",
+                            duration_s=result.duration_s)
+        failed = outcome.error is not None and not outcome.timed_out
+        stderr = f"{outcome.error_type}: {outcome.error}\n{result.stderr}" if outcome.error else result.stderr
+        calls: dict[str, int] = {}
+        completion = ""
+        if outcome.trajectory is not None:
+            trajectory = read_trajectory(outcome.trajectory)
+            calls, completion = trajectory.tool_calls_by_name(), trajectory.final_text()
+        return AgentRun(exit_code=None if outcome.timed_out else int(failed), timed_out=outcome.timed_out,
+                        stdout=outcome.trajectory or "", stderr=stderr, duration_s=result.duration_s,
+                        tool_calls_by_name=calls, completion=completion)
+
+
+def _host_tools_dir() -> Path:
+    from adapters.sandboxes.local import default_tools_dir
+
+    return default_tools_dir()
+
+
+def bridged(agent: HarborAgent) -> type[HarborHarness]:
+    """The harness class for one Harbor agent, named `harbor:<name>`."""
+    return type(f"Harbor_{agent.name.replace('-', '_')}", (HarborHarness,),
+                {"name": f"harbor:{agent.name}", "dialect": agent.dialect or "openai-chat", "package": None,
+                 "agent": agent, "__doc__": f"Harbor's {agent.name}, through the bridge."})
+

@@ -1,0 +1,142 @@
+"""Harbor's own agents, through the Harbor bridge, each solving a shipped task against the embedded engine.
+
+Each bridged agent runs as Harbor's agent class in the 3.12 runner over the local sandbox (installed
+once by scripts/install_agents.sh, or on first use), pointed at the proxy in its dialect, while the
+engine answers with forced completions: a tool call that writes the task's file, one that reads it
+back, and a final answer (terminus-2, whose tool is its JSON `commands`, confirms completion
+instead). For every agent: reward 1 from the task's verifier, the file in the sandbox, a valid trace
+whose agent turns form one chain with every turn after the first spliced onto the one before, and
+the capture cross-checked against Harbor's ATIF trajectory: each model call the trajectory records
+has its captured agent turn, with the same text and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from adapters.harbor_bridge.atif import AtifTrajectory, read_trajectory
+from adapters.harbor_bridge.catalog import CATALOG
+from adapters.harbor_bridge.install import InstallError, ensure_installed
+from adapters.harnesses import create_harness
+from adapters.sandboxes.local import default_tools_dir
+from adapters.tasks import load_task
+from harness_rl.background import serve_proxy
+from harness_rl.config import RolloutConfig
+from harness_rl.outcome import RolloutOutcome
+from harness_rl.rollouts import RolloutScheduler
+from harness_rl.trace import Turn
+from proxy.client import ProxyClient
+from proxy.config import ProxyConfig
+from proxy.server import RunningProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ROOT / "examples" / "tasks" / "write-greeting"
+GREETING = "printf 'hello harness-rl\\n' > greeting.txt"
+
+
+def tool_call(name: str, arguments: dict[str, object]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def terminus(keystrokes: list[str], complete: bool) -> str:
+    commands = [{"keystrokes": k, "duration": 0.5} for k in keystrokes]
+    return json.dumps({"analysis": "Looking at the terminal.", "plan": "Write the greeting, then check it.",
+                       "commands": commands, "task_complete": complete})
+
+
+def shell_script(tool: str, argument: str = "command") -> list[str]:
+    return [tool_call(tool, {argument: GREETING}), tool_call(tool, {argument: "cat greeting.txt"}), "Done."]
+
+
+# what each agent's model answers, in order: (tool-carrying calls, tool-less calls)
+SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "terminus-2": ([], [terminus([GREETING + "\n"], False), terminus(["cat greeting.txt\n"], True),
+                        terminus([], True)]),
+}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
+    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("harbor-store")),
+                         default_max_tokens_per_turn=256, default_max_turns=12)
+    with serve_proxy(config) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def clear_forced_after(engine_url: str) -> Iterator[None]:
+    yield
+    httpx.delete(f"{engine_url}/forced_completions").raise_for_status()
+
+
+def installed(name: str) -> None:
+    """Harbor and the agent's CLI in the tools dir (a no-op once scripts/install_agents.sh ran)."""
+    try:
+        ensure_installed(default_tools_dir(), CATALOG[name])
+    except InstallError as error:
+        pytest.skip(f"cannot install Harbor's {name} here: {error}")
+
+
+async def run_bridged(proxy: RunningProxy, name: str, logs_dir: Path) -> RolloutOutcome:
+    agent = CATALOG[name]
+    options = dict(agent.sandbox) if agent.sandbox else ({"network": "proxy-only"} if shutil.which("bwrap") else {})
+    config = RolloutConfig(harness=f"harbor:{name}", num_generations=1, agent_timeout_s=300,
+                           sandbox_options=options)
+    harness = create_harness(f"harbor:{name}", logs_dir=logs_dir)
+    task = load_task(TASK)
+    async with ProxyClient(proxy.url, proxy.admin_token) as client:
+        return await RolloutScheduler([task], client, config, harness=harness).run_rollout(task, 0, 0)
+
+
+def reply_text(turn: Turn) -> str:
+    return (turn.reply.content or "") if turn.reply is not None else ""
+
+
+def assert_matches_trajectory(agents: list[Turn], trajectory: AtifTrajectory) -> None:
+    """Every model call in Harbor's trajectory has its captured agent turn, in order, with the same text and calls."""
+    calls = trajectory.model_calls
+    assert calls, "Harbor's trajectory records no model call"
+    captured = iter(agents)
+    for step in calls:
+        turn = next((t for t in captured if reply_text(t).strip() == step.text.strip()), None)
+        assert turn is not None, f"no captured turn answers the trajectory's step {step.text[:80]!r}"
+        names = [call.name for call in turn.reply.tool_calls] if turn.reply else []
+        assert names == [call.function_name for call in step.tool_calls or ()]
+        for call, atif in zip(turn.reply.tool_calls if turn.reply else (), step.tool_calls or (), strict=True):
+            assert json.loads(call.arguments) == atif.arguments
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+async def test_bridged_agent_solves_a_task(name: str, proxy: RunningProxy, engine_url: str, tmp_path: Path) -> None:
+    installed(name)
+    tools, no_tools = SCRIPTS[name]
+    httpx.delete(f"{engine_url}/forced_completions").raise_for_status()
+    httpx.post(f"{engine_url}/forced_completions", json={"tools": tools, "no_tools": no_tools}).raise_for_status()
+    outcome = await run_bridged(proxy, name, tmp_path / "logs")
+    assert outcome.error is None, outcome.error
+    assert outcome.exit_code == 0 and not outcome.timed_out
+    assert outcome.env_reward == 1.0 and outcome.reward == 1.0  # the verifier found the file the tool call wrote
+    trace = outcome.trace.validate()
+    agents = [t for t in trace.turns if t.role == "agent"]
+    assert len(agents) >= 3
+    for turn in trace.turns:
+        assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+    for parent, child in zip(agents, agents[1:], strict=False):  # token in, token out: one chain
+        assert child.parent_id == parent.node_id and child.prompt_source == "spliced"
+        assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
+    trajectories = list((tmp_path / "logs").glob("*/trajectory.json"))
+    if CATALOG[name].atif:
+        assert len(trajectories) == 1, "Harbor converts this agent's logs to ATIF, but no trajectory was written"
+        assert_matches_trajectory(agents, read_trajectory(trajectories[0]))
