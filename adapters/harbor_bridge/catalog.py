@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 HARBOR_VERSION = "0.26.0"
 HARBOR_VENV = "harbor-venv"
@@ -83,7 +83,7 @@ class HarborAgent:
     version: str | None = None  # the release pinned here (Harbor's `version` option)
     install: Install | None = None  # None: nothing to install (Harbor's own agents run on the host)
     provider: str = "openai"  # the provider half of Harbor's "<provider>/<model>"
-    options: dict[str, str | int | bool] = field(default_factory=dict)  # Harbor agent options (`--ak`)
+    options: dict[str, Any] = field(default_factory=dict)  # Harbor agent options (`--ak`)
     atif: bool = True  # Harbor turns the agent's logs into an ATIF trajectory
     sandbox: dict[str, str] = field(default_factory=dict)  # local-sandbox options the agent needs, and why below
     sandbox_reason: str = ""
@@ -111,7 +111,8 @@ TEST = "tests/test_harbor_agents.py::test_bridged_agent_solves_a_task"
 
 AGENTS: tuple[HarborAgent, ...] = (
     HarborAgent("terminus-2", "proven", f"{TEST}[terminus-2]", dialect="openai-chat",
-                options={"record_terminal_session": False, "enable_summarize": False},
+                options={"record_terminal_session": False, "enable_summarize": False,
+                         "trajectory_config": {"raw_content": True}},  # the trajectory keeps each reply as sent
                 sandbox={"isolation": "none"},
                 sandbox_reason="its tmux server must outlive the command that starts it, and bubblewrap ends "
                                "every command's processes with it"),
