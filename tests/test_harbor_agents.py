@@ -64,6 +64,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "vibe": (shell_script("bash"), []),
     "hermes": (shell_script("terminal"), []),
     "openhands-sdk": (shell_script("terminal"), []),
+    "code-puppy": (shell_script("shell"), []),
 }
 
 

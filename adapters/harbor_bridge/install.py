@@ -122,14 +122,14 @@ def ensure_installed(tools_dir: Path, agent: HarborAgent | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m adapters.harbor_bridge.install", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", help="Harbor agent names (default with --all: every installable one)")
-    parser.add_argument("--all", action="store_true", help="Harbor and every agent the bridge can install")
+    parser.add_argument("names", nargs="*", help="Harbor agent names (none: Harbor alone)")
+    parser.add_argument("--all", action="store_true", help="Harbor and every agent proven here")
     parser.add_argument("--tools-dir", type=Path, default=None)
     args = parser.parse_args()
     from adapters.sandboxes.local import default_tools_dir
 
     tools_dir = (args.tools_dir or default_tools_dir()).resolve()
-    names = [a.name for a in CATALOG.values() if a.runnable and a.install] if args.all else args.names
+    names = [a.name for a in CATALOG.values() if a.state == "proven" and a.install] if args.all else args.names
     failed = []
     for agent in [CATALOG[name] for name in names] or [None]:
         try:

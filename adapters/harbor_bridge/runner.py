@@ -48,7 +48,7 @@ async def run_agent(spec: RunSpec, channel: Channel, scratch: Path) -> Outcome:
             try:
                 await asyncio.wait_for(agent.run(spec.instruction, environment, context), spec.timeout_s)
             finally:
-                if isinstance(agent, BaseInstalledAgent):  # host-side agents (terminus-2) log on the host already
+                if isinstance(agent, BaseInstalledAgent) and not spec.logs_mounted:  # terminus-2 logs on the host
                     with contextlib.suppress(FileNotFoundError):
                         await environment.download_dir(spec.agent_logs_dir, logs_dir)
         phase = "trajectory"

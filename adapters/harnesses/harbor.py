@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from adapters.harbor_bridge.install import InstallError, ensure_installed, harbo
 from adapters.harbor_bridge.protocol import MAX_LINE, Outcome, RunSpec, send
 from adapters.harnesses.base import AgentRun, Endpoint, Harness, Launch
 from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
+from adapters.sandboxes.local import LocalSandbox, default_tools_dir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 API_KEY_ENV = "HARNESS_RL_API_KEY"
@@ -51,20 +53,20 @@ class HarborHarness(Harness):
         self.options = {**self.agent.options, **options}
 
     def _tools_dir(self, sandbox: Sandbox) -> Path:
-        return Path(sandbox.tools_dir) if sandbox.kind == "local" else _host_tools_dir()
+        return Path(sandbox.tools_dir) if isinstance(sandbox, LocalSandbox) else default_tools_dir()
 
     async def install(self, sandbox: Sandbox) -> None:
         """Harbor itself (and, for the local sandbox, the agent's CLI) on this machine, installed once."""
         if not self.agent.runnable:
             raise SandboxError(f"Harbor's {self.agent.name} cannot run here ({self.agent.state}): {self.agent.note}")
         needs = {key: value for key, value in self.agent.sandbox.items() if getattr(sandbox, key, value) != value}
-        if sandbox.kind == "local" and needs:
+        if isinstance(sandbox, LocalSandbox) and needs:
             options = " ".join(f"{key}={value}" for key, value in needs.items())
             raise SandboxError(f"Harbor's {self.agent.name} needs the local sandbox with {options}: "
                                f"{self.agent.sandbox_reason}")
         tools_dir = self._tools_dir(sandbox)
         try:
-            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if sandbox.kind == "local" else None)
+            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if isinstance(sandbox, LocalSandbox) else None)
         except InstallError as error:
             raise SandboxError(str(error)) from error
 
@@ -76,11 +78,11 @@ class HarborHarness(Harness):
         return Launch(argv=[str(python), "-m", "adapters.harbor_bridge.runner"], env=env)
 
     def spec(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, logs_dir: Path,
-             timeout: float | None) -> RunSpec:
+             timeout: float | None, logs_mounted: bool = False) -> RunSpec:
         """Harbor's agent, pointed at the session in its dialect, on this sandbox."""
         base_url = {"anthropic-messages": endpoint.anthropic_base_url,
                     "google-gemini": endpoint.gemini_base_url}.get(self.agent.dialect or "", endpoint.openai_base_url)
-        local = sandbox.kind == "local"
+        local = isinstance(sandbox, LocalSandbox)
         options: dict[str, Any] = dict(self.options)
         if self.agent.install is not None:  # an installed agent: its CLI is in the tools dir already
             options["skip_install"] = local
@@ -89,11 +91,12 @@ class HarborHarness(Harness):
         return RunSpec(agent=self.agent.name, model_name=f"{self.agent.provider}/{endpoint.model}", base_url=base_url,
                        api_key=endpoint.api_key, api_key_env=API_KEY_ENV, api_format=self.agent.api_format,
                        instruction=instruction, logs_dir=str(logs_dir), workdir=sandbox.workdir,
-                       agent_logs_dir=f"{sandbox.logs_dir}/agent", kwargs=options, timeout_s=timeout)
+                       agent_logs_dir=f"{sandbox.logs_dir}/agent", logs_mounted=logs_mounted, kwargs=options,
+                       timeout_s=timeout)
 
     def _sandbox_env(self, sandbox: Sandbox) -> dict[str, str]:
         """PATH with the agent's CLI (and its Node) first, for the local sandbox; nothing for remote ones."""
-        if sandbox.kind != "local" or self.agent.install is None:
+        if not isinstance(sandbox, LocalSandbox) or self.agent.install is None:
             return {}
         bins = self.agent.install.bin_dirs(Path(sandbox.tools_dir), self.agent.name)
         path = [*map(str, bins), str(Path(sandbox.python).parent), os.environ.get("PATH", "/usr/bin:/bin")]
@@ -101,27 +104,33 @@ class HarborHarness(Harness):
 
     def _mount_tools(self, sandbox: Sandbox) -> None:
         """Bind the paths Harbor's commands name (`/opt/<agent>-venv`, `/installed-agent`) in the local sandbox."""
-        mount = getattr(sandbox, "mount", None)
-        if mount is None or self.agent.install is None:
+        if not isinstance(sandbox, LocalSandbox) or self.agent.install is None:
             return
-        mount(INSTALLED_AGENT_DIR, None)
+        sandbox.mount(INSTALLED_AGENT_DIR, None)
         home = self.agent.install.directory(Path(sandbox.tools_dir), self.agent.name)
         for path, relative in self.agent.install.mounts:
-            mount(path, home / relative)
+            sandbox.mount(path, home / relative)
 
     async def run(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, timeout: float | None) -> AgentRun:
         await self.install(sandbox)
         self._mount_tools(sandbox)
-        if sandbox.kind == "local" and self.agent.install is not None and self.agent.install.nvm:
+        if isinstance(sandbox, LocalSandbox) and self.agent.install is not None and self.agent.install.nvm:
             await sandbox.write_text(f"{sandbox.home}/.nvm/nvm.sh", NVM_SHIM)
-        logs_dir = Path(tempfile.mkdtemp(prefix=f"harbor-{self.agent.name}-", dir=self._logs_root()))
         launch = self.launch(sandbox, endpoint, instruction)
-        spec = self.spec(sandbox, endpoint, instruction, logs_dir, timeout)
         with tempfile.TemporaryDirectory(prefix="harness-rl-bridge-") as scratch:
+            # The local sandbox's /logs/agent is a host directory: Harbor's agent logs straight into it, as it
+            # does in Harbor's mounted environments (openclaw hands its config over that way).
+            mounted = isinstance(sandbox, LocalSandbox)
+            logs_dir = sandbox.host_path(f"{sandbox.logs_dir}/agent") if mounted else Path(scratch) / "logs"
+            spec = self.spec(sandbox, endpoint, instruction, logs_dir, timeout, logs_mounted=mounted)
             outcome, result = await self._bridge(sandbox, launch, spec, Path(scratch) / "bridge.sock", timeout)
-        if outcome is not None and outcome.phase == "setup" and outcome.error is not None:
-            raise SandboxError(f"Harbor's {self.agent.name} setup failed: {outcome.error_type}: {outcome.error}")
-        return self._report(outcome, result)
+            if self.logs_root is not None:
+                self.logs_root.mkdir(parents=True, exist_ok=True)
+                kept = tempfile.mkdtemp(prefix=f"harbor-{self.agent.name}-", dir=self.logs_root)
+                shutil.copytree(logs_dir, kept, dirs_exist_ok=True, symlinks=True)
+            if outcome is not None and outcome.phase == "setup" and outcome.error is not None:
+                raise SandboxError(f"Harbor's {self.agent.name} setup failed: {outcome.error_type}: {outcome.error}")
+            return self._report(outcome, result)
 
     async def _bridge(self, sandbox: Sandbox, launch: Launch, spec: RunSpec, socket: Path,
                       timeout: float | None) -> tuple[Outcome | None, ExecResult]:
@@ -168,12 +177,6 @@ class HarborHarness(Harness):
                             duration_s=asyncio.get_running_loop().time() - started)
         return outcome, result
 
-    def _logs_root(self) -> str | None:
-        if self.logs_root is None:
-            return None
-        self.logs_root.mkdir(parents=True, exist_ok=True)
-        return str(self.logs_root)
-
     def _report(self, outcome: Outcome | None, result: ExecResult) -> AgentRun:
         """Harbor's outcome as an agent run: exit 0 when Harbor's `run` returned, tool calls from its trajectory."""
         if outcome is None:
@@ -190,12 +193,6 @@ class HarborHarness(Harness):
         return AgentRun(exit_code=None if outcome.timed_out else int(failed), timed_out=outcome.timed_out,
                         stdout=outcome.trajectory or "", stderr=stderr, duration_s=result.duration_s,
                         tool_calls_by_name=calls, completion=completion)
-
-
-def _host_tools_dir() -> Path:
-    from adapters.sandboxes.local import default_tools_dir
-
-    return default_tools_dir()
 
 
 def bridged(agent: HarborAgent) -> type[HarborHarness]:
