@@ -86,7 +86,8 @@ class HarborAgent:
     install: Install | None = None  # None: nothing to install (Harbor's own agents run on the host)
     provider: str = "openai"  # the provider half of Harbor's "<provider>/<model>"
     options: dict[str, Any] = field(default_factory=dict)  # Harbor agent options (`--ak`)
-    atif: bool = True  # Harbor turns the agent's logs into an ATIF trajectory
+    atif: bool = True  # Harbor turns the agent's logs into an ATIF trajectory here
+    atif_reason: str = ""  # why not, where Harbor would
     sandbox: dict[str, str] = field(default_factory=dict)  # local-sandbox options the agent needs, and why below
     sandbox_reason: str = ""
 
@@ -138,12 +139,15 @@ AGENTS: tuple[HarborAgent, ...] = (
     HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="3.0.2",
                 install=_pypi("mistral-vibe==3.0.2")),  # 3.0.3 pins a certifi release PyPI does not serve
     HarborAgent("hermes", "proven", f"{TEST}[hermes]", dialect="openai-chat", version="0.19.0",
-                install=_pypi("hermes-agent==0.19.0")),
+                install=_pypi("hermes-agent==0.19.0"), atif=False,
+                atif_reason="Harbor exports the session with `hermes sessions export --source ...`, and hermes "
+                            "0.19.0 (PyPI's newest) leaves a one-shot session open, which a filtered export skips"),
     HarborAgent("openhands-sdk", "proven", f"{TEST}[openhands-sdk]", dialect="openai-chat", version="1.58.2",
                 install=_pypi("openhands-sdk==1.58.2", "openhands-tools==1.58.2", "fastapi",
                               mounts=(("/opt/openhands-sdk-venv", "."),))),
     HarborAgent("code-puppy", "proven", f"{TEST}[code-puppy]", dialect="openai-chat", version="0.0.946",
-                install=_pypi("code-puppy==0.0.946", "uv==0.13.8", python="3.13"), atif=False),
+                install=_pypi("code-puppy==0.0.946", "uv==0.13.8", python="3.13"), atif=False,
+                atif_reason="Harbor's code-puppy definition has no ATIF converter"),
     HarborAgent("strands", "proven", f"{TEST}[strands]", dialect="openai-chat", version="1.54.0",
                 install=_pypi("strands-agents[all]==1.54.0", mounts=(("/installed-agent/strands/venv", "."),))),
     HarborAgent("openclaw", "registry",

@@ -52,6 +52,7 @@ async def run_agent(spec: RunSpec, channel: Channel, scratch: Path) -> Outcome:
                     with contextlib.suppress(FileNotFoundError):
                         await environment.download_dir(spec.agent_logs_dir, logs_dir)
         phase = "trajectory"
+        log.info("Harbor's %s ran; its context holds %s", spec.agent, sorted(context.model_dump(exclude_none=True)))
         if context.is_empty():
             agent.populate_context_post_run(context)
     except TimeoutError:
