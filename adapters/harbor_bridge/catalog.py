@@ -136,8 +136,8 @@ AGENTS: tuple[HarborAgent, ...] = (
                 install=_pypi("kimi-cli==1.51.0", "uv==0.13.8", python="3.13")),  # 1.52.0 is a deprecation stub
     HarborAgent("kimi-code", "proven", f"{TEST}[kimi-code]", dialect="openai-chat", version="2.1.0",
                 install=_npm("@moonshot-ai/kimi-code@2.1.0", node=NODE_24)),
-    HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="3.0.2",
-                install=_pypi("mistral-vibe==3.0.2")),  # 3.0.3 pins a certifi release PyPI does not serve
+    HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="2.26.1",
+                install=_pypi("mistral-vibe==2.26.1")),  # 3.x keeps sessions in a form Harbor 0.26 cannot convert
     HarborAgent("hermes", "proven", f"{TEST}[hermes]", dialect="openai-chat", version="0.19.0",
                 install=_pypi("hermes-agent==0.19.0"), atif=False,
                 atif_reason="Harbor exports the session with `hermes sessions export --source ...`, and hermes "

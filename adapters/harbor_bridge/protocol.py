@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 
 T = TypeVar("T")
-MAX_LINE = 64 << 20  # an exec's output can be long; the sandbox keeps its last 4 MiB per stream
+MAX_LINE = 64 << 20
+REFUSAL = "harbor-refused:"  # `runner --check` prints this before Harbor's own error  # an exec's output can be long; the sandbox keeps its last 4 MiB per stream
 
 
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,4 +1,5 @@
-"""`<harbor-venv>/bin/python -m adapters.harbor_bridge.runner SOCKET`: one Harbor agent run, as Harbor's Trial runs it.
+"""`<harbor-venv>/bin/python -m adapters.harbor_bridge.runner SOCKET`: one Harbor agent run, as Harbor's Trial runs it
+(`... runner --check SPEC`: only build the agent, as preflight does).
 
 Connects to the host's Unix socket, reads the `RunSpec`, builds Harbor's agent class for the named
 agent with the endpoint override Harbor itself offers (`base_url`, `model_api_key_name`,
@@ -17,29 +18,38 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from adapters.harbor_bridge.environment import BridgedEnvironment, Channel
-from adapters.harbor_bridge.protocol import MAX_LINE, Finished, Outcome, RunSpec, receive, send
+from adapters.harbor_bridge.protocol import MAX_LINE, REFUSAL, Finished, Outcome, RunSpec, receive, send
 
 log = logging.getLogger("harness_rl.harbor_bridge")
 
 
-async def run_agent(spec: RunSpec, channel: Channel, scratch: Path) -> Outcome:
+def build_agent(spec: RunSpec, logs_dir: Path) -> Any:
+    """Harbor's agent for the spec, with Harbor's own endpoint override; Harbor validates options and connection."""
     from harbor.agents.factory import AgentFactory
-    from harbor.agents.installed.base import BaseInstalledAgent
-    from harbor.models.agent.context import AgentContext
     from harbor.models.agent.name import AgentName
 
-    logs_dir = Path(spec.logs_dir)
-    logs_dir.mkdir(parents=True, exist_ok=True)
     connection = {"base_url": spec.base_url, "model_api_key_name": spec.api_key_env}
     if spec.api_format is not None:
         connection["model_api_format"] = spec.api_format
+    return AgentFactory.create_agent_from_name(
+        AgentName(spec.agent), logs_dir=logs_dir, model_name=spec.model_name,
+        extra_env={**spec.env, spec.api_key_env: spec.api_key}, **connection, **spec.kwargs)
+
+
+async def run_agent(spec: RunSpec, channel: Channel, scratch: Path) -> Outcome:
+    from harbor.agents.installed.base import BaseInstalledAgent
+    from harbor.models.agent.context import AgentContext
+
+    logs_dir = Path(spec.logs_dir)
+    logs_dir.mkdir(parents=True, exist_ok=True)
     phase = "setup"
     try:
-        agent = AgentFactory.create_agent_from_name(
-            AgentName(spec.agent), logs_dir=logs_dir, model_name=spec.model_name,
-            extra_env={**spec.env, spec.api_key_env: spec.api_key}, **connection, **spec.kwargs)
+        agent = build_agent(spec, logs_dir)
         environment = BridgedEnvironment(channel, scratch, logger=log)
         context = AgentContext()
         with environment.scoped_exec_env(agent.extra_env):
@@ -85,5 +95,19 @@ async def main(socket_path: str) -> None:
     writer.close()
 
 
+def check(spec_json: str) -> None:
+    """`--check SPEC`: build the agent as a run would, and exit 1 with Harbor's own error if Harbor refuses it."""
+    spec = msgspec.json.decode(spec_json, type=RunSpec)
+    with tempfile.TemporaryDirectory(prefix="harness-rl-harbor-check-") as logs_dir:
+        try:
+            build_agent(spec, Path(logs_dir))
+        except Exception as error:
+            print(f"{REFUSAL} {type(error).__name__}: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    if sys.argv[1] == "--check":
+        check(sys.argv[2])
+    else:
+        asyncio.run(main(sys.argv[1]))

@@ -14,16 +14,19 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
+
+import msgspec
 
 from adapters.harbor_bridge.atif import read_trajectory
 from adapters.harbor_bridge.catalog import HarborAgent
 from adapters.harbor_bridge.host import RunnerGone, serve_runner
 from adapters.harbor_bridge.install import InstallError, ensure_installed, harbor_python
-from adapters.harbor_bridge.protocol import MAX_LINE, Outcome, RunSpec, send
-from adapters.harnesses.base import AgentRun, Endpoint, Harness, Launch
+from adapters.harbor_bridge.protocol import MAX_LINE, REFUSAL, Outcome, RunSpec, send
+from adapters.harnesses.base import POLICY_MODEL, AgentRun, Endpoint, Harness, Launch
 from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
 from adapters.sandboxes.local import LocalSandbox, default_tools_dir
 
@@ -57,13 +60,7 @@ class HarborHarness(Harness):
 
     async def install(self, sandbox: Sandbox) -> None:
         """Harbor itself (and, for the local sandbox, the agent's CLI) on this machine, installed once."""
-        if not self.agent.runnable:
-            raise SandboxError(f"Harbor's {self.agent.name} cannot run here ({self.agent.state}): {self.agent.note}")
-        needs = {key: value for key, value in self.agent.sandbox.items() if getattr(sandbox, key, value) != value}
-        if isinstance(sandbox, LocalSandbox) and needs:
-            options = " ".join(f"{key}={value}" for key, value in needs.items())
-            raise SandboxError(f"Harbor's {self.agent.name} needs the local sandbox with {options}: "
-                               f"{self.agent.sandbox_reason}")
+        self.check_sandbox(sandbox)
         tools_dir = self._tools_dir(sandbox)
         try:
             await asyncio.to_thread(ensure_installed, tools_dir, self.agent if isinstance(sandbox, LocalSandbox) else None)
@@ -72,27 +69,68 @@ class HarborHarness(Harness):
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         """The runner process, on this machine: Harbor's Python with this checkout importable."""
-        python = harbor_python(self._tools_dir(sandbox))
+        return self.launch_runner(self._tools_dir(sandbox))
+
+    @staticmethod
+    def launch_runner(tools_dir: Path) -> Launch:
         env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "PYTHONUNBUFFERED": "1"}
-        return Launch(argv=[str(python), "-m", "adapters.harbor_bridge.runner"], env=env)
+        return Launch(argv=[str(harbor_python(tools_dir)), "-m", "adapters.harbor_bridge.runner"], env=env)
 
     def spec(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str, logs_dir: Path,
              timeout: float | None, logs_mounted: bool = False) -> RunSpec:
         """Harbor's agent, pointed at the session in its dialect, on this sandbox."""
         base_url = {"anthropic-messages": endpoint.anthropic_base_url,
                     "google-gemini": endpoint.gemini_base_url}.get(self.agent.dialect or "", endpoint.openai_base_url)
-        local = isinstance(sandbox, LocalSandbox)
-        options: dict[str, Any] = dict(self.options)
-        if self.agent.install is not None:  # an installed agent: its CLI is in the tools dir already
-            options["skip_install"] = local
-        if self.agent.version is not None:
-            options.setdefault("version", self.agent.version)
+        options = self.agent_options(local=isinstance(sandbox, LocalSandbox))
         return RunSpec(agent=self.agent.name, model_name=f"{self.agent.provider}/{endpoint.model}", base_url=base_url,
                        api_key=endpoint.api_key, api_key_env=API_KEY_ENV, api_format=self.agent.api_format,
                        instruction=instruction, logs_dir=str(logs_dir), workdir=sandbox.workdir,
                        agent_logs_dir=f"{sandbox.logs_dir}/agent", logs_mounted=logs_mounted, kwargs=options,
                        timeout_s=timeout)
+
+    def agent_options(self, local: bool) -> dict[str, Any]:
+        """Harbor's options for the agent: ours, the pinned version, and `skip_install` where the tools dir has it."""
+        options: dict[str, Any] = dict(self.options)
+        if self.agent.install is not None:
+            options["skip_install"] = local
+        if self.agent.version is not None:
+            options.setdefault("version", self.agent.version)
+        return options
+
+    @classmethod
+    def preflight(cls, sandbox: str, sandbox_options: dict[str, Any], options: dict[str, Any]) -> None:
+        """Before a run starts: the agent can run in this sandbox, Harbor and its CLI are installed (installed now,
+        once, if not), and Harbor builds it with these options. Raises `SandboxError` saying why not, in Harbor's
+        (or the installer's) own words where they refused."""
+        local = LocalSandbox(**sandbox_options) if sandbox == "local" else None
+        harness = cls(**options)
+        harness.check_sandbox(local)
+        tools_dir = Path(local.tools_dir) if local is not None else default_tools_dir()
+        try:
+            ensure_installed(tools_dir, cls.agent if local is not None else None)
+        except InstallError as error:
+            raise SandboxError(str(error)) from error
+        spec = RunSpec(agent=cls.agent.name, model_name=f"{cls.agent.provider}/{POLICY_MODEL}",
+                       base_url="http://127.0.0.1:9/v1", api_key="preflight", api_key_env=API_KEY_ENV,
+                       api_format=cls.agent.api_format, instruction="", logs_dir="", workdir="/app",
+                       agent_logs_dir="/logs/agent", kwargs=harness.agent_options(local is not None))
+        launch = harness.launch_runner(tools_dir)
+        done = subprocess.run([*launch.argv, "--check", msgspec.json.encode(spec).decode()], env=launch.env,
+                              cwd=str(PROJECT_ROOT), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            said = done.stderr.rpartition(REFUSAL)[2].strip() or done.stderr.strip()[-1500:]
+            raise SandboxError(f"Harbor refuses {cls.agent.name}: {said}")
+
+    def check_sandbox(self, sandbox: Sandbox | None) -> None:
+        """The agent can run here at all, and the local sandbox has the options it needs."""
+        if not self.agent.runnable:
+            raise SandboxError(f"Harbor's {self.agent.name} cannot run here ({self.agent.state}): {self.agent.note}")
+        needs = {key: value for key, value in self.agent.sandbox.items() if getattr(sandbox, key, value) != value}
+        if isinstance(sandbox, LocalSandbox) and needs:
+            options = " ".join(f"{key}={value}" for key, value in needs.items())
+            raise SandboxError(f"Harbor's {self.agent.name} needs the local sandbox with {options}: "
+                               f"{self.agent.sandbox_reason}")
 
     def _sandbox_env(self, sandbox: Sandbox) -> dict[str, str]:
         """PATH with the agent's CLI (and its Node) first, for the local sandbox; nothing for remote ones."""
