@@ -26,10 +26,9 @@ from adapters.harbor_bridge.install import InstallError, ensure_installed
 from adapters.harnesses import create_harness
 from adapters.sandboxes.local import default_tools_dir
 from adapters.tasks import load_task
-from harness_rl.background import serve_proxy
-from harness_rl.config import RolloutConfig
 from harness_rl.outcome import RolloutOutcome
-from harness_rl.rollouts import RolloutScheduler
+from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
+from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import Turn
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig

@@ -12,3 +12,6 @@ trajectory is. The agent's CLI is installed once per machine from the package re
 
 Nothing here imports torch; `environment.py` and `runner.py` import Harbor and run only under 3.12.
 """
+
+RUNNER_MODULES = ("adapters.harbor_bridge.environment", "adapters.harbor_bridge.runner")
+"""The modules that import Harbor, and so run only in Harbor's Python (>= 3.12), never in this one."""

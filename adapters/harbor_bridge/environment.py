@@ -19,7 +19,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from adapters.harbor_bridge.protocol import Done, Exec, ExecDone, Get, Put, Reply, receive, send
+from adapters.harbor_bridge.protocol import REPLIES, Done, Exec, ExecDone, Get, Put, Reply, receive, send
 
 ENVIRONMENT_TYPE = "harness-rl"
 
@@ -45,7 +45,7 @@ class Channel:
         return await future
 
     async def _listen(self) -> None:
-        while (reply := await receive(self.reader, Reply)) is not None:  # type: ignore[arg-type]
+        while (reply := await receive(self.reader, REPLIES)) is not None:
             future = self._waiting.pop(reply.id, None)
             if future is not None and not future.done():
                 future.set_result(reply)

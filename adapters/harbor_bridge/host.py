@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 
 from adapters.harbor_bridge.protocol import (
+    REQUESTS,
     Done,
     Exec,
     ExecDone,
@@ -19,7 +20,6 @@ from adapters.harbor_bridge.protocol import (
     Get,
     Outcome,
     Put,
-    Request,
     receive,
     send,
 )
@@ -56,7 +56,7 @@ async def serve_runner(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             await send(writer, reply)
 
     try:
-        while (request := await receive(reader, Request)) is not None:  # type: ignore[arg-type]
+        while (request := await receive(reader, REQUESTS)) is not None:
             if isinstance(request, Finished):
                 return request.outcome
             task = asyncio.create_task(answer(request))

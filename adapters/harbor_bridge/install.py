@@ -131,7 +131,8 @@ def main() -> None:
     tools_dir = (args.tools_dir or default_tools_dir()).resolve()
     names = [a.name for a in CATALOG.values() if a.state == "proven" and a.install] if args.all else args.names
     failed = []
-    for agent in [CATALOG[name] for name in names] or [None]:
+    agents: list[HarborAgent | None] = [CATALOG[name] for name in names]
+    for agent in agents or [None]:
         try:
             ensure_installed(tools_dir, agent)
         except InstallError as error:

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 
 T = TypeVar("T")
-MAX_LINE = 64 << 20
-REFUSAL = "harbor-refused:"  # `runner --check` prints this before Harbor's own error  # an exec's output can be long; the sandbox keeps its last 4 MiB per stream
+MAX_LINE = 64 << 20  # an exec's output can be long; the sandbox keeps its last 4 MiB per stream
+REFUSAL = "harbor-refused:"  # `runner --check` prints this before Harbor's own error
 
 
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -96,6 +96,9 @@ Request = Exec | Put | Get | Finished
 Reply = ExecDone | Done
 
 _encoder = msgspec.json.Encoder()
+SPECS = msgspec.json.Decoder(RunSpec)
+REQUESTS = msgspec.json.Decoder(Request)
+REPLIES = msgspec.json.Decoder(Reply)
 
 
 async def send(writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
@@ -103,9 +106,9 @@ async def send(writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
     await writer.drain()
 
 
-async def receive(reader: asyncio.StreamReader, kind: type[T]) -> T | None:
-    """The next message of `kind`, or None at the end of the stream."""
+async def receive(reader: asyncio.StreamReader, decoder: msgspec.json.Decoder[T]) -> T | None:
+    """The next message, or None at the end of the stream."""
     line = await reader.readline()
     if not line:
         return None
-    return msgspec.json.decode(line, type=kind)
+    return decoder.decode(line)

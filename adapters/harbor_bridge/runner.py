@@ -20,10 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from adapters.harbor_bridge.environment import BridgedEnvironment, Channel
-from adapters.harbor_bridge.protocol import MAX_LINE, REFUSAL, Finished, Outcome, RunSpec, receive, send
+from adapters.harbor_bridge.protocol import MAX_LINE, REFUSAL, SPECS, Finished, Outcome, RunSpec, receive, send
 
 log = logging.getLogger("harness_rl.harbor_bridge")
 
@@ -85,7 +83,7 @@ async def main(socket_path: str) -> None:
     logging.basicConfig(level=os.environ.get("HARNESS_RL_HARBOR_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     reader, writer = await asyncio.open_unix_connection(socket_path, limit=MAX_LINE)
-    spec = await receive(reader, RunSpec)
+    spec = await receive(reader, SPECS)
     if spec is None:
         raise SystemExit("the host closed the bridge before sending the run")
     channel = Channel(reader, writer)
@@ -97,7 +95,7 @@ async def main(socket_path: str) -> None:
 
 def check(spec_json: str) -> None:
     """`--check SPEC`: build the agent as a run would, and exit 1 with Harbor's own error if Harbor refuses it."""
-    spec = msgspec.json.decode(spec_json, type=RunSpec)
+    spec = SPECS.decode(spec_json)
     with tempfile.TemporaryDirectory(prefix="harness-rl-harbor-check-") as logs_dir:
         try:
             build_agent(spec, Path(logs_dir))

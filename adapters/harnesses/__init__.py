@@ -45,7 +45,7 @@ def harness_class(name: str) -> type[Harness]:
     try:
         return HARNESSES[name.replace("_", "-")]
     except KeyError:
-        raise ValueError(f"unknown harness {name!r}; choose one of {', '.join(HARNESS_NAMES)}") from None
+        raise ValueError(f"unknown harness {name!r}; `harness-rl harnesses` lists them all") from None
 
 
 def create_harness(name: str, **options: Any) -> Harness:
@@ -53,5 +53,5 @@ def create_harness(name: str, **options: Any) -> Harness:
     return harness_class(name)(**options)
 
 
-__all__ = ["HARNESSES", "HARNESS_NAMES", "NATIVE_NAMES", "AgentRun", "HarborHarness", "Dialect", "Endpoint", "Harness", "Launch", "Package",
-           "ToolReport", "create_harness", "harness_class", "tool_calls_in_trace"]
+__all__ = ["HARNESSES", "HARNESS_NAMES", "NATIVE_NAMES", "AgentRun", "Dialect", "Endpoint", "HarborHarness", "Harness",
+           "Launch", "Package", "ToolReport", "create_harness", "harness_class", "tool_calls_in_trace"]

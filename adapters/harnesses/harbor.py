@@ -39,8 +39,9 @@ NVM_SHIM = """# harness-rl: Harbor's commands source nvm and run `nvm use <major
 # and `nvm install` check that it is the major asked for, and nothing else happens.
 nvm() {
     case "$1" in
-        use|install) [ -z "$2" ] || [ "$(node -p 'process.versions.node.split(".")[0]')" = "$2" ] \\
-                         || { echo "harness-rl nvm shim: Node $2 is not installed here ($(node --version))" >&2; return 1; } ;;
+        use|install) [ -z "$2" ] || [ "$(node -p 'process.versions.node.split(".")[0]')" = "$2" ] || {
+                         echo "harness-rl nvm shim: Node $2 is not installed here ($(node --version))" >&2
+                         return 1; } ;;
     esac
 }
 """
@@ -63,7 +64,8 @@ class HarborHarness(Harness):
         self.check_sandbox(sandbox)
         tools_dir = self._tools_dir(sandbox)
         try:
-            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if isinstance(sandbox, LocalSandbox) else None)
+            local = isinstance(sandbox, LocalSandbox)
+            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if local else None)
         except InstallError as error:
             raise SandboxError(str(error)) from error
 
@@ -158,8 +160,10 @@ class HarborHarness(Harness):
         with tempfile.TemporaryDirectory(prefix="harness-rl-bridge-") as scratch:
             # The local sandbox's /logs/agent is a host directory: Harbor's agent logs straight into it, as it
             # does in Harbor's mounted environments (openclaw hands its config over that way).
-            mounted = isinstance(sandbox, LocalSandbox)
-            logs_dir = sandbox.host_path(f"{sandbox.logs_dir}/agent") if mounted else Path(scratch) / "logs"
+            if isinstance(sandbox, LocalSandbox):
+                logs_dir, mounted = sandbox.host_path(f"{sandbox.logs_dir}/agent"), True
+            else:
+                logs_dir, mounted = Path(scratch) / "logs", False
             spec = self.spec(sandbox, endpoint, instruction, logs_dir, timeout, logs_mounted=mounted)
             outcome, result = await self._bridge(sandbox, launch, spec, Path(scratch) / "bridge.sock", timeout)
             if self.logs_root is not None:
@@ -199,7 +203,8 @@ class HarborHarness(Harness):
         outcome: Outcome | None = None
         try:
             limit = None if timeout is None else timeout + EXIT_GRACE_S
-            done, _ = await asyncio.wait({finished, exited}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {finished, exited}
+            done, _ = await asyncio.wait(waiters, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
             if finished in done or (exited in done and not finished.done()):
                 with contextlib.suppress(RunnerGone, ConnectionError, asyncio.TimeoutError):
                     outcome = await asyncio.wait_for(asyncio.shield(finished), 5)
