@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from adapters.tasks import load_task
 from harness_rl.outcome import RolloutOutcome
 from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
 from harness_rl.run.stack import serve_proxy
-from harness_rl.trace import Turn
+from harness_rl.trace import TrainingTrace, Turn
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
@@ -79,7 +81,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
     config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("harbor-store")),
-                         default_max_tokens_per_turn=256, default_max_turns=12)
+                         max_tokens_per_turn=256, max_turns=12)
     with serve_proxy(config) as running:
         yield running
 
@@ -159,3 +161,43 @@ async def test_bridged_agent_solves_a_task(name: str, proxy: RunningProxy, engin
     if CATALOG[name].atif:
         assert len(trajectories) == 1, "Harbor converts this agent's logs to ATIF, but no trajectory was written"
         assert_matches_trajectory(agents, read_trajectory(trajectories[0]))
+
+
+async def test_openclaw_runs_but_rewrites_its_history(proxy: RunningProxy, engine_url: str, tmp_path: Path) -> None:
+    """openclaw solves the task through the bridge, but ends every request with a transient context message that
+    the next request drops: each turn is rendered anew against the one before (why it is not proven here)."""
+    installed("openclaw")
+    httpx.delete(f"{engine_url}/forced_completions").raise_for_status()
+    httpx.post(f"{engine_url}/forced_completions", json={"tools": shell_script("exec"), "no_tools": []}
+               ).raise_for_status()
+    outcome = await run_bridged(proxy, "openclaw", tmp_path / "logs")
+    assert outcome.error is None and outcome.exit_code == 0 and outcome.env_reward == 1.0
+    agents = [t for t in outcome.trace.validate().turns if t.role == "agent"]
+    assert len(agents) == 3 and {t.prompt_source for t in agents} == {"rendered"}
+    for parent, child in zip(agents, agents[1:], strict=False):
+        assert child.prefix_break is not None and child.prefix_break.cause == "rewritten_history"
+        assert child.prefix_break.against == parent.node_id
+        assert "BEGIN_OPENCLAW_INTERNAL_CONTEXT" in json.dumps(parent.request.messages[-1])
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_train_one_step_with_a_bridged_agent(name: str, tmp_path: Path) -> None:
+    """`harness-rl train --harness harbor:<name> --max-steps 1` with the tiny model sampling freely: every rollout
+    ends scored, with a valid trace holding the agent's calls."""
+    installed(name)
+    agent = CATALOG[name]
+    config = tmp_path / "run.toml"
+    options = "".join(f'{key} = "{value}"\n' for key, value in agent.sandbox.items())
+    config.write_text("[rollouts]\nnum_generations = 2\nmax_concurrent_rollouts = 2\nmax_turns = 6\n"
+                      f"agent_timeout_s = 300\n[rollouts.sandbox_options]\n{options}")
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--config", str(config), "--harness",
+                           f"harbor:{name}", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 and all(r["error"] is None and r["reward"] is not None for r in rollouts)
+    for rollout in rollouts:
+        trace = TrainingTrace.from_json((out / rollout["trace"]).read_bytes()).validate()
+        assert any(turn.role == "agent" for turn in trace.turns)

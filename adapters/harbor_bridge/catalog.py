@@ -148,8 +148,6 @@ AGENTS: tuple[HarborAgent, ...] = (
     HarborAgent("code-puppy", "proven", f"{TEST}[code-puppy]", dialect="openai-chat", version="0.0.946",
                 install=_pypi("code-puppy==0.0.946", "uv==0.13.8", python="3.13"), atif=False,
                 atif_reason="Harbor's code-puppy definition has no ATIF converter"),
-    HarborAgent("strands", "proven", f"{TEST}[strands]", dialect="openai-chat", version="1.54.0",
-                install=_pypi("strands-agents[all]==1.54.0", mounts=(("/installed-agent/strands/venv", "."),))),
     HarborAgent("openclaw", "registry",
                 "runs here through the bridge (tests/test_harbor_agents.py::test_openclaw_runs_but_rewrites_its_"
                 "history), but its turns cannot chain: every request ends with a transient "
@@ -204,6 +202,8 @@ AGENTS: tuple[HarborAgent, ...] = (
                 "Deno with Pyodide for RLM's interpreter, not set up here"),
     HarborAgent("eve", "host", "builds and runs an Eve project the user supplies; no agent of its own"),
     HarborAgent("langgraph", "host", "runs a LangGraph project the user supplies; no agent of its own"),
+    HarborAgent("strands", "host", "runs a Strands agent factory the user supplies (`factory`, default "
+                "agent:create_agent); no agent of its own"),
 )
 
 CATALOG: dict[str, HarborAgent] = {agent.name: agent for agent in AGENTS}
