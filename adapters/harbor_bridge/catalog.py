@@ -137,7 +137,9 @@ AGENTS: tuple[HarborAgent, ...] = (
     HarborAgent("kimi-code", "proven", f"{TEST}[kimi-code]", dialect="openai-chat", version="2.1.0",
                 install=_npm("@moonshot-ai/kimi-code@2.1.0", node=NODE_24)),
     HarborAgent("vibe", "proven", f"{TEST}[vibe]", dialect="openai-chat", version="2.26.1",
-                install=_pypi("mistral-vibe==2.26.1")),  # 3.x keeps sessions in a form Harbor 0.26 cannot convert
+                install=_pypi("mistral-vibe==2.26.1"), atif=False,  # 3.0.3 pins a certifi PyPI does not serve
+                atif_reason="vibe 2.26 and 3.x keep their session as a journal (logs/session/unified/), and Harbor "
+                            "0.26's converter reads logs/session/<id>/messages.jsonl"),
     HarborAgent("hermes", "proven", f"{TEST}[hermes]", dialect="openai-chat", version="0.19.0",
                 install=_pypi("hermes-agent==0.19.0"), atif=False,
                 atif_reason="Harbor exports the session with `hermes sessions export --source ...`, and hermes "
