@@ -188,7 +188,7 @@ def test_train_one_step_with_a_bridged_agent(name: str, tmp_path: Path) -> None:
     agent = CATALOG[name]
     config = tmp_path / "run.toml"
     options = "".join(f'{key} = "{value}"\n' for key, value in agent.sandbox.items())
-    config.write_text("[rollouts]\nnum_generations = 2\nmax_concurrent_rollouts = 2\nmax_turns = 6\n"
+    config.write_text("[rollouts]\nnum_generations = 2\nmax_concurrent_rollouts = 2\nmax_turns = 3\n"
                       f"agent_timeout_s = 300\n[rollouts.sandbox_options]\n{options}")
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--config", str(config), "--harness",

@@ -158,7 +158,7 @@ AGENTS: tuple[HarborAgent, ...] = (
                 install=_npm("openclaw@2026.9.6", node=NODE_24, nvm=True)),
     HarborAgent("openhands", "registry", "installs from PyPI (openhands-ai into /opt/openhands-venv); "
                 "not driven here yet", dialect="openai-chat", version="1.11.0",
-                install=_pypi("openhands-ai==1.11.0", mounts=(("/opt/openhands-venv", "."),))),
+                install=_pypi("openhands-ai==1.11.0", python="3.13", mounts=(("/opt/openhands-venv", "."),))),
     HarborAgent("nemo-agent", "registry", "installs from PyPI (nvidia-nat[eval,langchain] into "
                 "/opt/nvidia-nat-venv); not driven here yet", dialect="openai-chat", version="1.9.0",
                 install=_pypi("nvidia-nat[eval,langchain]==1.9.0", mounts=(("/opt/nvidia-nat-venv", "."),))),
