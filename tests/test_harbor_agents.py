@@ -70,6 +70,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "hermes": (shell_script("terminal"), []),
     "openhands-sdk": (shell_script("terminal"), []),
     "code-puppy": (shell_script("shell", cwd=None, timeout=60, background=False), []),
+    "openhands": ([*shell_script("execute_bash")[:2], tool_call("finish", {"message": "Done."})], []),
 }
 
 

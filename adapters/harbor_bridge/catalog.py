@@ -156,9 +156,9 @@ AGENTS: tuple[HarborAgent, ...] = (
                 "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> user message that the next request drops, so each turn "
                 "is rendered anew", dialect="openai-chat", version="2026.9.6",
                 install=_npm("openclaw@2026.9.6", node=NODE_24, nvm=True)),
-    HarborAgent("openhands", "registry", "installs from PyPI (openhands-ai into /opt/openhands-venv); "
-                "not driven here yet", dialect="openai-chat", version="1.11.0",
-                install=_pypi("openhands-ai==1.11.0", python="3.13", mounts=(("/opt/openhands-venv", "."),))),
+    # Harbor runs `python -m openhands.core.main`, which openhands-ai 1.x no longer has: the last 0.x it is
+    HarborAgent("openhands", "proven", f"{TEST}[openhands]", dialect="openai-chat", version="0.62.0",
+                install=_pypi("openhands-ai==0.62.0", python="3.13", mounts=(("/opt/openhands-venv", "."),))),
     HarborAgent("nemo-agent", "registry", "installs from PyPI (nvidia-nat[eval,langchain] into "
                 "/opt/nvidia-nat-venv); not driven here yet", dialect="openai-chat", version="1.9.0",
                 install=_pypi("nvidia-nat[eval,langchain]==1.9.0", mounts=(("/opt/nvidia-nat-venv", "."),))),
