@@ -205,9 +205,10 @@ class HarborHarness(Harness):
             limit = None if timeout is None else timeout + EXIT_GRACE_S
             waiters: set[asyncio.Future[Any]] = {finished, exited}
             done, _ = await asyncio.wait(waiters, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
-            if finished in done or (exited in done and not finished.done()):
-                with contextlib.suppress(RunnerGone, ConnectionError, asyncio.TimeoutError):
-                    outcome = await asyncio.wait_for(asyncio.shield(finished), 5)
+            if exited in done and not finished.done():  # the runner's last message may still be on its way
+                await asyncio.wait({finished}, timeout=5)
+            if finished.done() and finished.exception() is None:  # a runner that died has no outcome
+                outcome = finished.result()
         finally:
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

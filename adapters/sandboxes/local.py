@@ -179,6 +179,7 @@ class LocalSandbox(Sandbox):
             "LANG": "C.UTF-8",
             "HOME": self.home,
             "TMPDIR": "/tmp" if self.isolation == "bwrap" else str(self._mounts["/tmp"]),
+            "TMUX_TMPDIR": "/tmp" if self.isolation == "bwrap" else str(self._mounts["/tmp"]),  # one tmux server each
             MARKER: self.id,
         }
         merged = {**base, **(env or {}), MARKER: self.id}
