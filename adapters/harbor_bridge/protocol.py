@@ -28,11 +28,9 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True):
     api_format: str | None  # Harbor's ModelApiFormat value; None where the agent takes no override
     instruction: str
     logs_dir: str  # host directory for Harbor's agent logs and the ATIF trajectory
-    workdir: str  # the sandbox's working directory (the task's workdir)
     agent_logs_dir: str  # where inside the sandbox the agent writes its logs (Harbor's /logs/agent)
     logs_mounted: bool = False  # `logs_dir` is `agent_logs_dir` itself (the local sandbox), nothing to download
     kwargs: dict[str, Any] = {}  # Harbor agent options (skip_install, version, ...)
-    env: dict[str, str] = {}  # Harbor's AgentConfig.env: put on every exec of the agent phases
     timeout_s: float | None = None
 
 

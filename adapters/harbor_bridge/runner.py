@@ -36,7 +36,7 @@ def build_agent(spec: RunSpec, logs_dir: Path) -> Any:
         connection["model_api_format"] = spec.api_format
     return AgentFactory.create_agent_from_name(
         AgentName(spec.agent), logs_dir=logs_dir, model_name=spec.model_name,
-        extra_env={**spec.env, spec.api_key_env: spec.api_key}, **connection, **spec.kwargs)
+        extra_env={spec.api_key_env: spec.api_key}, **connection, **spec.kwargs)
 
 
 async def run_agent(spec: RunSpec, channel: Channel, scratch: Path) -> Outcome:

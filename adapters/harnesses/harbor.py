@@ -87,7 +87,7 @@ class HarborHarness(Harness):
         options = self.agent_options(local=isinstance(sandbox, LocalSandbox))
         return RunSpec(agent=self.agent.name, model_name=f"{self.agent.provider}/{endpoint.model}", base_url=base_url,
                        api_key=endpoint.api_key, api_key_env=API_KEY_ENV, api_format=self.agent.api_format,
-                       instruction=instruction, logs_dir=str(logs_dir), workdir=sandbox.workdir,
+                       instruction=instruction, logs_dir=str(logs_dir),
                        agent_logs_dir=f"{sandbox.logs_dir}/agent", logs_mounted=logs_mounted, kwargs=options,
                        timeout_s=timeout)
 
@@ -115,8 +115,8 @@ class HarborHarness(Harness):
             raise SandboxError(str(error)) from error
         spec = RunSpec(agent=cls.agent.name, model_name=f"{cls.agent.provider}/{POLICY_MODEL}",
                        base_url="http://127.0.0.1:9/v1", api_key="preflight", api_key_env=API_KEY_ENV,
-                       api_format=cls.agent.api_format, instruction="", logs_dir="", workdir="/app",
-                       agent_logs_dir="/logs/agent", kwargs=harness.agent_options(local is not None))
+                       api_format=cls.agent.api_format, instruction="", logs_dir="", agent_logs_dir="/logs/agent",
+                       kwargs=harness.agent_options(local is not None))
         launch = harness.launch_runner(tools_dir)
         done = subprocess.run([*launch.argv, "--check", msgspec.json.encode(spec).decode()], env=launch.env,
                               cwd=str(PROJECT_ROOT), capture_output=True, text=True, timeout=300)
