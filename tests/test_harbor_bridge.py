@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +31,7 @@ from adapters.tasks import load_task
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "examples" / "tasks" / "write-greeting"
 PYTHON = harbor_python(default_tools_dir())
-pytestmark = [pytest.mark.anyio,
-              pytest.mark.skipif(not PYTHON.exists(), reason="Harbor is not installed: scripts/install_agents.sh")]
+needs_harbor = pytest.mark.skipif(not PYTHON.exists(), reason="Harbor is not installed: scripts/install_agents.sh")
 
 FACTS = """
 import json
@@ -86,6 +87,8 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
+@pytest.mark.slow  # Harbor imports all 49 agent modules
+@needs_harbor
 def test_catalog_names_every_harbor_agent_and_its_claims_hold() -> None:
     done = subprocess.run([str(PYTHON), "-c", FACTS], capture_output=True, text=True, timeout=300,
                           env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PATH": "/usr/bin:/bin"})
@@ -105,6 +108,8 @@ def test_catalog_names_every_harbor_agent_and_its_claims_hold() -> None:
             assert agent.state == "host", name  # named, but Harbor's factory cannot build it
 
 
+@pytest.mark.anyio
+@needs_harbor
 async def test_harbors_environment_works_the_local_sandbox(tmp_path: Path) -> None:
     socket, local = tmp_path / "bridge.sock", tmp_path / "local"
     local.mkdir()
@@ -132,6 +137,8 @@ async def test_harbors_environment_works_the_local_sandbox(tmp_path: Path) -> No
         assert seen["missing"] is True
 
 
+@pytest.mark.anyio
+@needs_harbor
 async def test_harbors_own_error_stops_an_agent_it_refuses(tmp_path: Path) -> None:
     """An option Harbor's terminus-2 does not know: its setup fails with Harbor's message, as a sandbox error."""
     harness = create_harness("harbor:terminus-2", no_such_option=1)
@@ -143,12 +150,34 @@ async def test_harbors_own_error_stops_an_agent_it_refuses(tmp_path: Path) -> No
             await harness.run(sandbox, endpoint, "do nothing", timeout=60)
 
 
+@pytest.mark.anyio
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 async def test_an_agent_that_needs_processes_to_outlive_a_command_refuses_bubblewrap(tmp_path: Path) -> None:
     harness = create_harness("terminus-2")
     async with LocalSandbox(isolation="bwrap") as sandbox:
         await sandbox.start(load_task(TASK))
         with pytest.raises(SandboxError, match="needs the local sandbox with isolation=none: its tmux server"):
             await harness.install(sandbox)
+
+
+@needs_harbor
+def test_train_preflight_stops_with_harbors_refusal_and_says_why_others_cannot_run(tmp_path: Path) -> None:
+    """Before anything starts (exit 2, one line, no run directory): Harbor's own error for options it refuses,
+    and the catalog's reason for an agent that cannot run here."""
+    def train(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--model", "tiny", "--max-steps", "1",
+                               "--output-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+
+    config = tmp_path / "run.toml"
+    config.write_text('[rollouts]\nharness = "terminus-2"\n[rollouts.harness_options]\nno_such_option = 1\n'
+                      '[rollouts.sandbox_options]\nisolation = "none"\n')
+    refused = train("--config", str(config))
+    assert refused.returncode == 2 and "Harbor refuses terminus-2: ValueError: Invalid kwargs for agent " \
+                                       "'terminus-2':" in refused.stderr, refused.stderr
+    network = train("--harness", "harbor:goose")
+    assert network.returncode == 2 and "Harbor's goose cannot run here (network)" in network.stderr, network.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture
