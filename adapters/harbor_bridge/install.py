@@ -109,6 +109,17 @@ def ensure_agent(tools_dir: Path, agent: HarborAgent, install: Install) -> None:
     (directory / STAMP).write_text(install.stamp)
 
 
+def missing(tools_dir: Path, agent: HarborAgent | None) -> str | None:
+    """What of Harbor (and `agent`'s CLI, when given) the tools dir lacks, as a sentence; None when nothing."""
+    packages = f"harbor=={HARBOR_VERSION} msgspec=={importlib.metadata.version('msgspec')}"
+    if not _stamped(tools_dir / HARBOR_VENV, packages):
+        return f"Harbor {HARBOR_VERSION} is not installed in {tools_dir / HARBOR_VENV} (scripts/install_agents.sh)"
+    if agent is not None and agent.install is not None and not agent.install.installed(tools_dir, agent.name):
+        return (f"Harbor's {agent.name} is not installed in {agent.install.directory(tools_dir, agent.name)} "
+                f"(scripts/install_agents.sh, or `python -m adapters.harbor_bridge.install {agent.name}`)")
+    return None
+
+
 def ensure_installed(tools_dir: Path, agent: HarborAgent | None) -> None:
     """Harbor, and `agent`'s CLI when given, under the tools dir's install lock."""
     (tools_dir / AGENTS_DIR).mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import msgspec
 from adapters.harbor_bridge.atif import read_trajectory
 from adapters.harbor_bridge.catalog import HarborAgent
 from adapters.harbor_bridge.host import RunnerGone, serve_runner
-from adapters.harbor_bridge.install import InstallError, ensure_installed, harbor_python
+from adapters.harbor_bridge.install import InstallError, ensure_installed, harbor_python, missing
 from adapters.harbor_bridge.protocol import MAX_LINE, REFUSAL, Outcome, RunSpec, send
 from adapters.harnesses.base import POLICY_MODEL, AgentRun, Endpoint, Harness, Launch
 from adapters.sandboxes.base import ExecResult, Sandbox, SandboxError
@@ -60,14 +60,12 @@ class HarborHarness(Harness):
         return Path(sandbox.tools_dir) if isinstance(sandbox, LocalSandbox) else default_tools_dir()
 
     async def install(self, sandbox: Sandbox) -> None:
-        """Harbor itself (and, for the local sandbox, the agent's CLI) on this machine, installed once."""
+        """Check that Harbor (and, for the local sandbox, the agent's CLI) is on this machine: rollouts never
+        install; preflight (`preflight`) or scripts/install_agents.sh did, once."""
         self.check_sandbox(sandbox)
-        tools_dir = self._tools_dir(sandbox)
-        try:
-            local = isinstance(sandbox, LocalSandbox)
-            await asyncio.to_thread(ensure_installed, tools_dir, self.agent if local else None)
-        except InstallError as error:
-            raise SandboxError(str(error)) from error
+        lacking = missing(self._tools_dir(sandbox), self.agent if isinstance(sandbox, LocalSandbox) else None)
+        if lacking is not None:
+            raise SandboxError(lacking)
 
     def launch(self, sandbox: Sandbox, endpoint: Endpoint, instruction: str) -> Launch:
         """The runner process, on this machine: Harbor's Python with this checkout importable."""
