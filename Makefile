@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The real agent CLIs at the versions the adapters pin (npm, PyPI venvs) and bubblewrap, for the end-to-end tests.
-$(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py)
+$(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py) adapters/harbor_bridge/catalog.py
 	bash scripts/install_agents.sh
 	touch $(TOOLS)
 

@@ -3,8 +3,9 @@
 # (`python -m adapters.harnesses --pins`, the one source of truth): npm packages into .tools/npm,
 # PyPI packages with their own virtualenv into .tools/<venv> (gitignored; $HARNESS_RL_TOOLS_DIR
 # moves .tools, as it does for the local sandbox), a warmed opencode plugin cache, and bubblewrap
-# from apt when missing and running as root. Packages that live in the project's own Python
-# (mini-swe-agent) come with its dev extra. Idempotent: each step checks first.
+# from apt when missing and running as root, then Harbor and the agents the Harbor bridge drives. Packages
+# that live in the project's own Python (mini-swe-agent) come with its dev extra. Idempotent: each step
+# checks first.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -66,6 +67,14 @@ if ! command -v bwrap >/dev/null 2>&1; then
     else
         echo "install_agents: bubblewrap missing (needs root to apt-get install it); the local sandbox runs unisolated" >&2
     fi
+fi
+
+# Harbor's agents through the bridge: Harbor itself in $TOOLS/harbor-venv (Python >= 3.12) and each proven
+# agent's CLI from PyPI or npm in $TOOLS/harbor-agents/<name> (adapters/harbor_bridge/catalog.py pins them).
+# HARNESS_RL_HARBOR=0 skips it; a failure here leaves our own harnesses installed and says why.
+if [[ "${HARNESS_RL_HARBOR:-1}" != 0 ]]; then
+    (cd "$ROOT" && "$PYTHON" -m adapters.harbor_bridge.install --all --tools-dir "$TOOLS") \
+        || echo "install_agents: the Harbor bridge's agents are not all installed (see above)" >&2
 fi
 
 (cd "$ROOT" && "$PYTHON" -m harness_rl.cli harnesses --tools-dir "$TOOLS") || true

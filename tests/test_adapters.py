@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from adapters.harnesses import HARNESSES, Endpoint, create_harness
+from adapters.harbor_bridge.catalog import CATALOG, TEST
+from adapters.harnesses import HARNESSES, NATIVE_NAMES, Endpoint, create_harness
 from adapters.harnesses.base import Package
 from adapters.sandboxes.base import ExecResult
 from adapters.sandboxes.local import LocalSandbox
 from adapters.tasks import load_task
 from adapters.verifier import verify
-from harness_rl.commands.harnesses import rows
+from harness_rl.commands.harnesses import native_rows
 
 pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
@@ -144,7 +145,7 @@ async def test_mini_swe_agent_report_skips_the_unexecuted_submit(sandbox) -> Non
 
 
 def test_unknown_harness_is_named() -> None:
-    with pytest.raises(ValueError, match="echo, opencode, claude-code, mini-swe-agent, codex, gemini-cli"):
+    with pytest.raises(ValueError, match="unknown harness 'qwen-code'; `harness-rl harnesses` lists them all"):
         create_harness("qwen-code")
 
 
@@ -326,10 +327,12 @@ async def test_aider_report_counts_applied_and_malformed_edits(sandbox) -> None:
 
 
 def test_harness_names_are_harbors_and_declare_dialect_and_pin() -> None:
-    assert set(HARNESSES) == HARBOR_NAMES
+    assert set(NATIVE_NAMES) == HARBOR_NAMES
+    assert {f"harbor:{name}" for name in CATALOG} | HARBOR_NAMES | set(CATALOG) == set(HARNESSES)
+    assert HARNESSES["terminus-2"] is HARNESSES["harbor:terminus-2"] and HARNESSES["opencode"].package is not None
     assert {name: cls.dialect for name, cls in HARNESSES.items() if name in ("codex", "gemini-cli", "claude-code")} == {
         "codex": "openai-responses", "gemini-cli": "google-gemini", "claude-code": "anthropic-messages"}
-    assert all(cls.package is not None for name, cls in HARNESSES.items() if name != "echo")
+    assert all(HARNESSES[name].package is not None for name in NATIVE_NAMES if name != "echo")
 
 
 def test_pins_command_prints_every_adapter_package() -> None:
@@ -350,8 +353,8 @@ def test_installed_version_reads_npm_manifests_and_venv_dist_info(tmp_path: Path
     manifest.write_text(json.dumps({"name": "@scope/cli", "version": "1.2.2"}))
     (tmp_path / "aider" / "lib" / "python3.11" / "site-packages" / "aider_chat-0.86.2.dist-info").mkdir(parents=True)
     assert npm.installed_version(tmp_path) == "1.2.2" and venv.installed_version(tmp_path) == "0.86.2"
-    table = {row[0]: row for row in rows(tmp_path)}
-    assert table["aider"][1:] == ("openai-chat", "pypi:aider-chat", "0.86.2", "yes")
+    table = {row[0]: row for row in native_rows(tmp_path)}
+    assert table["aider"][1:5] == ("openai-chat", "pypi:aider-chat", "0.86.2", "yes")
     assert table["codex"][4] == "no" and table["echo"][4] == "yes"
 
 
@@ -359,7 +362,12 @@ def test_harnesses_command_lists_every_harness(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "harness_rl.cli", "harnesses", "--tools-dir", str(tmp_path)],
                          cwd=ROOT, check=True, capture_output=True, text=True).stdout
     lines = out.splitlines()
-    assert lines[0].split() == ["HARNESS", "DIALECT", "PACKAGE", "PINNED", "INSTALLED"]
+    assert lines[0].split() == ["HARNESS", "DIALECT", "INSTALLS", "FROM", "VERSION", "INSTALLED", "STATE", "HERE"]
     listed = {line.split()[0]: line.split() for line in lines[1:-1]}
-    assert set(listed) == HARBOR_NAMES
+    assert set(listed) == HARBOR_NAMES | {f"harbor:{name}" for name in CATALOG}
     assert listed["gemini-cli"][1:5] == ["google-gemini", "npm:@google/gemini-cli", "0.61.0", "no"]
+    assert listed["harbor:kimi-cli"][1:5] == ["openai-chat", "pypi:kimi-cli,uv", "1.51.0", "no"]
+    assert listed["harbor:kimi-cli"][5:] == ["proven:", f"{TEST}[kimi-cli]"]
+    assert " ".join(listed["harbor:goose"][5:]).startswith("needs network: Harbor's install() needs the goose CLI")
+    proven = sum(1 for agent in CATALOG.values() if agent.state == "proven") + len(HARBOR_NAMES) - 1  # not echo
+    assert lines[-1].startswith(f"{proven} real agents proven here") and proven >= 16

@@ -224,16 +224,29 @@ def test_light_imports_leave_torch_out(statement: str) -> None:
 
 
 def test_every_proxy_and_adapter_module_imports_without_torch() -> None:
+    """The Harbor bridge's runner side imports Harbor (Python >= 3.12): it is imported in Harbor's venv instead."""
+    from adapters.harbor_bridge import RUNNER_MODULES
+    from adapters.harbor_bridge.install import harbor_python
+    from adapters.sandboxes.local import default_tools_dir
+
     code = (
         "import importlib, pkgutil, sys, proxy, adapters\n"
         "for pkg in (proxy, adapters):\n"
         "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        importlib.import_module(info.name)\n"
+        f"        if info.name not in {RUNNER_MODULES!r}:\n"
+        "            importlib.import_module(info.name)\n"
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+    harbor = harbor_python(default_tools_dir())
+    if harbor.exists():
+        runner = f"import {', '.join(RUNNER_MODULES)}, sys; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+        done = subprocess.run([str(harbor), "-c", runner], capture_output=True, text=True, cwd=ROOT,
+                              env={"PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == ""
 
 
 def test_no_proxy_module_is_over_400_lines() -> None:

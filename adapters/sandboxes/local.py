@@ -137,6 +137,19 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"network='proxy-only' relays loopback endpoints only, not {url}")
         await self._relay.allow(parsed.port or (443 if parsed.scheme == "https" else 80))
 
+    def mount(self, path: str, host_dir: Path | None) -> None:
+        """Show `host_dir` (None: a fresh private directory) at the absolute `path` to every later command.
+
+        For what an agent's own commands name by absolute path (`/opt/<agent>-venv`, an installer's
+        `/installed-agent`): bound there under bubblewrap, rewritten to `host_dir` without it.
+        """
+        if self.root is None:
+            raise SandboxError("the sandbox is not started")
+        if host_dir is None:
+            host_dir = self.root / "mounts" / path.strip("/").replace("/", "-")
+        host_dir.mkdir(parents=True, exist_ok=True)
+        self._mounts[path] = host_dir
+
     def host_path(self, path: str) -> Path:
         """Where a sandbox path lives on this machine."""
         if self.root is None:
@@ -166,6 +179,7 @@ class LocalSandbox(Sandbox):
             "LANG": "C.UTF-8",
             "HOME": self.home,
             "TMPDIR": "/tmp" if self.isolation == "bwrap" else str(self._mounts["/tmp"]),
+            "TMUX_TMPDIR": "/tmp" if self.isolation == "bwrap" else str(self._mounts["/tmp"]),  # one tmux server each
             MARKER: self.id,
         }
         merged = {**base, **(env or {}), MARKER: self.id}

@@ -94,14 +94,21 @@ def _check_engine(config: RunConfig) -> None:
 
 
 def _check_rollouts(config: RunConfig) -> None:
-    from adapters.harnesses import HARNESS_NAMES, harness_class
+    from adapters.harnesses import HARNESS_NAMES, HarborHarness, harness_class
+    from adapters.sandboxes import SandboxError
     from adapters.sandboxes.local import default_tools_dir
     from adapters.tasks import HF_REPO_ID, TaskError, load_tasks, missing_tasks
 
     rollouts = config.rollouts
     if rollouts.harness.replace("_", "-") not in HARNESS_NAMES:
-        raise ConfigError("--harness", f"{rollouts.harness!r} is not one of {', '.join(HARNESS_NAMES)}")
-    package = harness_class(rollouts.harness).package
+        raise ConfigError("--harness", f"{rollouts.harness!r} is not a harness; `harness-rl harnesses` lists them all")
+    harness = harness_class(rollouts.harness)
+    if issubclass(harness, HarborHarness):  # Harbor's agent: installed (now, once, if not) and built by Harbor
+        try:
+            harness.preflight(rollouts.sandbox, rollouts.sandbox_options, rollouts.harness_options)
+        except SandboxError as exc:
+            raise ConfigError("--harness", str(exc)) from None
+    package = harness.package
     if rollouts.sandbox == "local" and package is not None:  # rollouts never install: the CLI must be here
         missing = package.missing(default_tools_dir())
         if missing is not None:
