@@ -313,7 +313,8 @@ def test_opencode_rollout_through_trls_run_session_at_trls_temperature(agent_cli
     force(exact_engine_url, tools=[tool_call("bash", {"command": GREETING, "description": "Write the greeting"}),
                                    tool_call("bash", {"command": "cat greeting.txt", "description": "Check it"}),
                                    "Done."], no_tools=["Greeting file"] * 3)
-    (completion, _, sequences, tool_calls, _, reward), metrics = loop._run_session(factory.prompt_rows()[0]["prompt"], 0)
+    prompt = factory.prompt_rows()[0]["prompt"]
+    (completion, _, sequences, tool_calls, _, reward), metrics = loop._run_session(prompt, 0)
     assert reward == 1.0 and tool_calls == 2 and metrics["turns"] == 3  # the title call is not sent to TRL
     trace = captured(loop)
     assert sorted(t.role for t in trace.turns) == ["agent", "agent", "agent", "auxiliary"]

@@ -156,12 +156,12 @@ class HarnessRLSessionFactory(ResourceSessionFactory["HarnessRLSession"]):
                              "the proxy_url of a running `harness-rl serve proxy`, not both")
         if proxy_url is not None and proxy is not None:
             raise ValueError("proxy settings apply to the factory's own proxy; a running proxy has its own flags")
-        source = tasks if isinstance(tasks, str | Path) else None
-        self.tasks = load_tasks(source) if source is not None else list(tasks)  # type: ignore[arg-type]
+        self.tasks: list[Task] = load_tasks(tasks) if isinstance(tasks, str | Path) else list(tasks)
         if not self.tasks:
             raise ValueError("the factory has no tasks")
         self.rollouts = msgspec.convert({**rollout_options, "harness": harness, "sandbox": sandbox,
-                                         "tasks": str(source or "")}, RolloutConfig)
+                                         "tasks": str(tasks) if isinstance(tasks, str | Path) else ""},
+                                        RolloutConfig)
         self.engine_url, self.proxy_url, self.engine_check, self.seed = engine_url, proxy_url, engine_check, seed
         self.admin_token = admin_token or (os.environ.get(ADMIN_TOKEN_ENV) if proxy_url is not None else None)
         if proxy_url is not None and not self.admin_token:
@@ -317,7 +317,7 @@ class HarnessRLSession(ResourceSession):
         self.task, self.group_id, self.index, self.episode_id = task, group_id, index, episode_id
         self.outcome: RolloutOutcome | None = None
         self._runtime, self._temperature = runtime, temperature
-        self._running: asyncio.Task[RolloutOutcome] | None = None
+        self._running: asyncio.Task[Any] | None = None
         self._closed = False
 
     # ResourceSession: the agent owns its loop in its sandbox, so there is nothing to step.
@@ -343,7 +343,7 @@ class HarnessRLSession(ResourceSession):
         return self.outcome.exit_code if self.outcome.exit_code is not None else 1
 
     async def _run(self, timeout_s: float | None) -> RolloutOutcome:
-        self._running = asyncio.current_task()  # type: ignore[assignment]
+        self._running = asyncio.current_task()
         if self._closed:
             raise asyncio.CancelledError
         return await self._runtime.scheduler.run_rollout(self.task, self.group_id, self.index,
