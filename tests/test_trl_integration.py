@@ -13,6 +13,7 @@ returns it scored; a task whose verifier leaves no reward comes back with reward
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -194,6 +195,46 @@ def test_prompts_name_their_task_and_the_factory_pickles_without_its_runtime() -
     copy = pickle.loads(pickle.dumps(factory))  # how TRL hands it to its rollout process
     assert copy._runtime is None and copy.rollouts == factory.rollouts and copy.proxy == factory.proxy
     assert [t.name for t in copy.tasks] == [t.name for t in factory.tasks]
+
+
+def test_the_example_prints_what_it_would_train_with() -> None:
+    """examples/trl_harness_trainer.py on a CPU box: --help, and --dry-run's configuration as JSON."""
+    example = [sys.executable, str(ROOT / "examples" / "trl_harness_trainer.py")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    shown = subprocess.run([*example, "--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert shown.returncode == 0 and "--vllm-url" in shown.stdout and "HarnessRLSessionFactory" in shown.stdout
+    dry = subprocess.run([*example, "--dry-run", "--vllm-url", "http://gpu-box:8000", "--tasks", str(AGENT_TASKS),
+                          "--n-tasks", "3", "--temperature", "0.9"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    trainer, worker, factory = plan["AsyncGRPOConfig"], plan["HarnessRolloutWorker"], plan["HarnessRLSessionFactory"]
+    assert (trainer["temperature"], trainer["top_p"], trainer["top_k"]) == (0.9, 1.0, -1)
+    assert trainer["learning_rate"] == 1e-6 and trainer["max_staleness"] == 4
+    assert trainer["vllm_server_base_url"] == worker["vllm_server_url"] == "http://gpu-box:8000"
+    assert worker["harness_adapter"] is None and worker["rollout_reward_fn"] == "harbor_reward"
+    assert factory["tasks"] == [t.name for t in load_tasks(AGENT_TASKS)[:3]]
+    assert factory["capture"]["proxy"]["upstream"] == "http://gpu-box:8000"
+    assert factory["capture"]["proxy"]["sampling"] == factory["sampling"]["proxy"] == \
+        {"temperature": 0.9, "truncation": "neutralise"}
+    assert (factory["rollouts"]["harness"], factory["rollouts"]["max_turns"],
+            factory["rollouts"]["max_tokens_per_turn"]) == ("mini-swe-agent", 12, 1024)
+
+
+def test_the_examples_reward_is_the_guides() -> None:
+    spec = importlib.util.spec_from_file_location("trl_harness_trainer", ROOT / "examples" / "trl_harness_trainer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def reward(env_reward: float | None, tool_calls: int) -> float | None:
+        return example.harbor_reward(openenv_harness.HarnessRolloutOutcome(
+            env_reward=env_reward, completion=[], trace=[], tool_call_count=tool_calls, tool_failure_count=0,
+            tool_calls_by_name={}, timed_out=False))
+
+    assert reward(None, 3) is None
+    assert reward(1.0, 3) == pytest.approx(1.0 + 0.3 * (1 - 3 / 15))
+    assert reward(1.0, 20) == 1.0 and reward(0.0, 0) == 0.0 and reward(0.5, 0) == 0.5
 
 
 # --- real agent CLIs through TRL's rollout loop ----------------------------------------------------------

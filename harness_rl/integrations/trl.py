@@ -166,7 +166,7 @@ class HarnessRLSessionFactory(ResourceSessionFactory["HarnessRLSession"]):
         self.admin_token = admin_token or (os.environ.get(ADMIN_TOKEN_ENV) if proxy_url is not None else None)
         if proxy_url is not None and not self.admin_token:
             raise ValueError(f"a running proxy needs its admin token: pass admin_token or set ${ADMIN_TOKEN_ENV}")
-        self.proxy = proxy or ProxyConfig()
+        self.proxy = msgspec.structs.replace(proxy or ProxyConfig(), upstream=engine_url or "")
         self.sampling: dict[str, Any] | None = None
         self.temperature: float | None = None
         self._use_sampling(sampling)
@@ -280,7 +280,7 @@ class _Runtime:
             undo.callback(loop.close)
             proxy: RunningProxy | None = None
             if factory.engine_url is not None:
-                config = msgspec.structs.replace(factory.proxy, upstream=factory.engine_url)
+                config = factory.proxy
                 if factory.engine_check:
                     from harness_rl.tools.doctor import MIN_RUN_CONTEXT, require_exact_capture
 
