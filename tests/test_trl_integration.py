@@ -214,7 +214,8 @@ def test_the_example_prints_what_it_would_train_with() -> None:
     assert trainer["vllm_server_base_url"] == worker["vllm_server_url"] == "http://gpu-box:8000"
     assert worker["harness_adapter"] is None and worker["rollout_reward_fn"] == "harbor_reward"
     assert factory["tasks"] == [t.name for t in load_tasks(AGENT_TASKS)[:3]]
-    assert factory["capture"]["proxy"]["upstream"] == "http://gpu-box:8000"
+    # one URL (or a list of them, where the proxy takes several engines)
+    assert factory["capture"]["proxy"]["upstream"] in ("http://gpu-box:8000", ["http://gpu-box:8000"])
     assert factory["capture"]["proxy"]["sampling"] == factory["sampling"]["proxy"] == \
         {"temperature": 0.9, "truncation": "neutralise"}
     assert (factory["rollouts"]["harness"], factory["rollouts"]["max_turns"],

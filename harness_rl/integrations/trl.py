@@ -284,8 +284,8 @@ class _Runtime:
                 if factory.engine_check:
                     from harness_rl.tools.doctor import MIN_RUN_CONTEXT, require_exact_capture
 
-                    require_exact_capture(config.upstream, model=config.upstream_model, min_context=MIN_RUN_CONTEXT,
-                                          weight_sync="none")
+                    require_exact_capture(factory.engine_url, model=config.upstream_model,
+                                          min_context=MIN_RUN_CONTEXT, weight_sync="none")
                 running = proxy = loop.run(start_proxy(config), timeout=120)
                 undo.callback(lambda: loop.run(running.stop(), timeout=60))
                 client = ProxyClient(running.url, running.admin_token)
