@@ -13,6 +13,7 @@ returns it scored; a task whose verifier leaves no reward comes back with reward
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import multiprocessing
@@ -21,6 +22,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -274,12 +276,14 @@ def force(url: str, tools: list[str], no_tools: Sequence[str] = ()) -> None:
 @pytest.fixture
 def trl_loop(tiny_model_dir: Path, exact_engine_url: str) -> Iterator[Any]:
     """Build TRL's `_HarnessRolloutLoop` around a factory (as `HarnessRolloutWorker` does in its child)."""
+    from accelerate.state import PartialState
     from transformers import AutoTokenizer
     from trl import chat_template_utils
 
     built: list[Any] = []
 
     def build(factory: HarnessRLSessionFactory, temperature: float = 1.0, **kwargs: Any) -> Any:
+        PartialState()  # as TRL's child process does first: its loggers need it
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         # TRL parses replies only when it samples turns itself (white-box); a loop-owning worker never does, but its
         # constructor wants a response template, which it cannot infer for the tiny model's hermes-style template.
@@ -385,6 +389,48 @@ def test_an_unscorable_task_is_none_not_zero_through_a_running_proxy(agent_clis:
         verified = session.verify([])
         session.close()
         assert verified.env_reward is None and "neither reward.json nor reward.txt" in verified.artifacts["error"]
+
+
+@pytest.mark.slow
+def test_an_agent_past_its_time_limit_is_flagged_and_still_scored(agent_clis: None, trl_loop: Any,
+                                                                   exact_engine_url: str, tmp_path: Path) -> None:
+    """TRL's contract: `wait_for_completion` raises TimeoutError, the turns so far are trained and the verifier
+    judges the partial work (here 0: the bug is still there)."""
+    factory = cli_factory(TASKS / "fix-off-by-one", "mini-swe-agent", engine_url=exact_engine_url,
+                          proxy=ProxyConfig(store_dir=str(tmp_path / "store")))
+    factory.rollouts = msgspec.structs.replace(factory.rollouts, agent_timeout_s=40)
+    loop = trl_loop(factory)
+    force(exact_engine_url, tools=[tool_call("bash", {"command": "sleep 600"})])
+    (_, _, sequences, _, _, reward), metrics = loop._run_session(factory.prompt_rows()[0]["prompt"], 0)
+    assert reward == 0.0 and metrics["loop_exhausted"]  # TRL's timed_out
+    assert metrics["turns"] == 1 and len(sequences) == 1
+    assert_trl_trains_our_rows(sequences, captured(loop), agent_turns=1)
+
+
+@pytest.mark.slow
+def test_closing_a_running_session_stops_its_agent_and_closes_its_capture(agent_clis: None, trl_loop: Any,
+                                                                           exact_engine_url: str,
+                                                                           tmp_path: Path) -> None:
+    """TRL closes in-flight sessions from another thread when it stops: the agent is killed, the capture
+    session closed, and the waiting thread gets an exception (TRL scores the rollout empty)."""
+    factory = cli_factory(TASKS / "fix-off-by-one", "mini-swe-agent", engine_url=exact_engine_url,
+                          proxy=ProxyConfig(store_dir=str(tmp_path / "store")))
+    loop = trl_loop(factory)
+    runtime = loop._factory._runtime
+    force(exact_engine_url, tools=[tool_call("bash", {"command": "sleep 600"})])
+    session = loop._factory.create(factory.prompt_rows()[0]["prompt"], seed=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(session.wait_for_completion)
+        deadline = time.monotonic() + 240
+        while not any(s.turns for s in runtime.loop.run(runtime.client.list_sessions())):
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.5)
+        session.close()  # returns once the sandbox and the capture session are released
+        (summary,) = runtime.loop.run(runtime.client.list_sessions())
+        assert summary.closed and summary.turns == 1
+        with pytest.raises(concurrent.futures.CancelledError):
+            waiting.result(timeout=60)
+    assert session.outcome is None and session.verify([]).env_reward is None
 
 
 def harbor_style_reward(outcome: Any) -> float | None:
