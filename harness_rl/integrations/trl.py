@@ -167,8 +167,7 @@ class HarnessRLSessionFactory(ResourceSessionFactory["HarnessRLSession"]):
         if proxy_url is not None and not self.admin_token:
             raise ValueError(f"a running proxy needs its admin token: pass admin_token or set ${ADMIN_TOKEN_ENV}")
         self.proxy = msgspec.structs.replace(proxy or ProxyConfig(), upstream=engine_url or "")
-        self.sampling: dict[str, Any] | None = None
-        self.temperature: float | None = None
+        self.temperature: float | None = None  # TRL's, once it has given its sampling policy
         self._use_sampling(sampling)
         self._by_name = {task.name: task for task in self.tasks}
         self._by_instruction: dict[str, list[Task]] = collections.defaultdict(list)
@@ -200,7 +199,7 @@ class HarnessRLSessionFactory(ResourceSessionFactory["HarnessRLSession"]):
         if sampling is None:
             return
         policy = proxy_sampling(sampling, self.proxy.sampling)
-        self.sampling, self.temperature = sampling, policy.temperature
+        self.temperature = policy.temperature
         self.proxy = msgspec.structs.replace(self.proxy, sampling=policy)
 
     def prompt_rows(self) -> list[dict[str, Any]]:
@@ -230,8 +229,9 @@ class HarnessRLSessionFactory(ResourceSessionFactory["HarnessRLSession"]):
         return matches[0]
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarnessRLSession:
-        """One idle session on the task `task` (TRL's prompt) names; `seed` is TRL's group id, so the rollouts of
-        a group run the same task and each gets its own sampling seed (`rollout_seed`)."""
+        """One idle session on the task `task` (TRL's prompt) names. A group's rollouts share its prompt, so its
+        task; `seed` is TRL's group id, which with the rollout's place in the group seeds its sampling
+        (`rollout_seed`)."""
         chosen = self.task_for(task)
         group_id = seed if seed is not None else 0
         runtime = self.start()._runtime
@@ -356,10 +356,6 @@ class HarnessRLSession(ResourceSession):
         if outcome.trace is None:
             raise RolloutFailed(f"rollout {outcome.rollout_id} on {self.task.name} left no trace: {outcome.error}")
         return openenv_training_trace(outcome.trace, self._temperature)
-
-    def fetch_proxy_trace(self) -> list[dict[str, Any]]:
-        """The same turns as OpenEnv's `TraceEntry` dicts (the older `LoopOwningSession` contract)."""
-        return self.fetch_training_trace().to_trace_entries()
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
         """The task's own verifier score, from the run (`transcript` is not needed: the sandbox was judged). None
