@@ -207,8 +207,10 @@ class RolloutScheduler:
             raise errors.exceptions[0] from None
         return RolloutGroup(group_id=group_id, task=task.name, outcomes=[run.result() for run in runs])
 
-    async def run_rollout(self, task: Task, group_id: int, index: int) -> RolloutOutcome:
-        """One agent run, scored; never raises for a failure of the rollout itself (that is its outcome)."""
+    async def run_rollout(self, task: Task, group_id: int, index: int,
+                          agent_timeout_s: float | None = None) -> RolloutOutcome:
+        """One agent run, scored; never raises for a failure of the rollout itself (that is its outcome).
+        `agent_timeout_s` overrides the configured time limit for this run (a caller's own deadline)."""
         async with self._slots:
             rollout_id = f"g{group_id}-r{index}-{secrets.token_hex(3)}"
             started = time.monotonic()
@@ -226,7 +228,8 @@ class RolloutScheduler:
                 await sandbox.allow(session.anthropic_base_url)
                 endpoint = Endpoint(session.openai_base_url, session.anthropic_base_url, session.key,
                                     gemini_base_url=session.gemini_base_url)
-                run = await self.harness.run(sandbox, endpoint, task.instruction, self._agent_timeout(task))
+                run = await self.harness.run(sandbox, endpoint, task.instruction,
+                                             agent_timeout_s or self._agent_timeout(task))
                 await self.proxy.close_session(session.id)
                 closed, session = session, None
                 trace = await self.proxy.get_trace(closed.id)
