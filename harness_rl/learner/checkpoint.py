@@ -143,7 +143,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     return TrainerState(step=blob["step"], policy_version=blob["policy_version"], extra=blob["extra"])
 
 
-def export_model(weights: WeightSource, config: Any, directory: Path, *, shard_bytes: int = SHARD_BYTES) -> Path:
+def export_model(weights: WeightSource, directory: Path, *, shard_bytes: int = SHARD_BYTES) -> Path:
     """`weights` as one Hugging Face model directory (config, generation config, safetensors shards and their
     index), streamed: at most one shard is held whole. A collective under torchrun; rank 0 writes."""
     from safetensors.torch import save_file
@@ -161,7 +161,10 @@ def export_model(weights: WeightSource, config: Any, directory: Path, *, shard_b
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     if leader:
         directory.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(directory)
+        weights.model.config.save_pretrained(directory)
+        generation = getattr(weights.model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(directory)
     weight_map: dict[str, str] = {}
     tensors = iter(weights)
     total = 0

@@ -112,6 +112,7 @@ def shard(policy: torch.nn.Module, model: torch.nn.Module, device: torch.device)
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

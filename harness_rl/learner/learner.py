@@ -77,6 +77,9 @@ class Learner:
         self.model.config.use_cache = False
         self.model.train()
         self.policy = self._place(PackedPolicy(self.model))
+        # Sharded, every rank must run each layer as often as the others: one packed forward per micro-batch
+        # (sequence boundaries from the position ids), never one forward per row.
+        self.split_rows: bool | None = False if self.ranks.sharded else None
         self.ref_model: Any = None
         self.ref_policy: PackedPolicy | None = None
         if config.loss.beta:
@@ -204,11 +207,11 @@ class Learner:
             real = index < len(batches)
             batch = (batches[index] if real else _weightless_batch()).to(self.device)
             with self._autocast():
-                logps, entropy = self.policy(batch, self.temperature)
+                logps, entropy = self.policy(batch, self.temperature, self.split_rows)
                 ref_logps = None
                 if self.ref_policy is not None:
                     with torch.no_grad():
-                        ref_logps, _ = self.ref_policy(batch, self.temperature)
+                        ref_logps, _ = self.ref_policy(batch, self.temperature, self.split_rows)
             loss, stats = grpo_loss(logps, batch.behaviour_logps, batch.advantages, batch.weights,
                                     config.loss, ref_logps, batch.row_index)
             loss.backward()
@@ -319,7 +322,7 @@ class Learner:
                 if self.ranks.leader:
                     self.lora.write(adapter, staging / ADAPTER_DIR)
             if export:
-                export_model(self.weights, self.model.config, staging / MODEL_DIR)
+                export_model(self.weights, staging / MODEL_DIR)
 
         state = TrainerState(step=self.step_count, policy_version=self.policy_version, extra=self.extra_state)
         return save_checkpoint(path, self.model, self.optimizer, self.scheduler, state, ranks=self.ranks,
