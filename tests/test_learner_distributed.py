@@ -58,7 +58,6 @@ def test_two_processes_take_the_steps_one_process_takes(model_dir: Path, tmp_pat
     assert list(one) == list(two) == ["1", "2", "3"]
     for step in one:
         assert two[step] == pytest.approx(one[step], abs=EXACT), step
-    assert abs(one["3"] - one["1"]) > 0.1  # it learned something
     final = "checkpoints/step-00000003/"
     exported = [tensors(tmp_path / run / final, "model/model.safetensors") for run in ("one", "two")]
     initial = load_file(model_dir / "model.safetensors")

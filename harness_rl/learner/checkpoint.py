@@ -132,7 +132,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
                                 f"again from its model, --model {path / MODEL_DIR}")
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     with _one_process_is_fine():
         dcp.load(state, checkpoint_id=path / STATE_DIR, no_dist=not torch.distributed.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
@@ -161,8 +161,9 @@ def export_model(weights: WeightSource, directory: Path, *, shard_bytes: int = S
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     if leader:
         directory.mkdir(parents=True, exist_ok=True)
-        weights.model.config.save_pretrained(directory)
-        generation = getattr(weights.model, "generation_config", None)
+        model: Any = weights.model
+        model.config.save_pretrained(directory)
+        generation = getattr(model, "generation_config", None)
         if generation is not None:
             generation.save_pretrained(directory)
     weight_map: dict[str, str] = {}

@@ -52,7 +52,7 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_sync_failures: Annotated[AtLeastZero, setting("failed weight syncs in a row tolerated", flag=None)] = 3
     lora_rank: Annotated[AtLeastZero, setting(
         "train a LoRA adapter of this rank (peft) instead of every weight; 0: full fine-tuning")] = 0
-    lora_alpha: Annotated[Positive | None, setting("LoRA scale numerator (the update is alpha/rank * B A); "
+    lora_alpha: Annotated[AtLeastOne | None, setting("LoRA scale numerator (the update is alpha/rank * B A); "
                                                    "none: 2 x rank")] = None
     lora_target_modules: Annotated[list[str], setting(
         "module names LoRA adapts (repeat the flag); all-linear: every linear layer but the output head")] \

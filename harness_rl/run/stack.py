@@ -60,10 +60,11 @@ class Stack:
             undo.callback(loop.close)
             served = served_model_name or (config.engine.model if config.engine.model in BUILT_MODELS else None)
             engine = start_engine(config.engine, model_dir, run_dir, seed=config.seed, served_model_name=served,
-                                  forced_completions=forced_completions)
+                                  forced_completions=forced_completions, lora_rank=config.learner.lora_rank)
             undo.callback(engine.close)
             proxy_config = msgspec.structs.replace(
                 config.proxy, upstream=engine.url, store_dir=str(run_dir / "proxy"),
+                upstream_model=engine.adapter_name or config.proxy.upstream_model,  # agents never see the adapter
                 vocab_size=config.proxy.vocab_size or vocab_size(engine.model_dir))
             proxy = loop.run(_start_proxy(proxy_config), timeout=120)
             undo.callback(lambda: loop.run(proxy.stop(), timeout=60))

@@ -9,6 +9,9 @@ hand-over queue, plus `max_staleness` in the learner, keep the rollouts from run
 
 `build_run(config, model_dir)` builds everything from a checked `RunConfig` on its `Stack` (engine, proxy,
 client, scheduler); tests drive it with a fake harness, sandbox or reward function in place of the real ones.
+
+Under torchrun only rank 0 runs all this; every other rank holds a shard of the policy and follows rank 0's
+learner (`follow`): the engine, the proxy and the rollouts are rank 0's alone.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ class Run:
             if on_step is not None:
                 on_step(self.learner.step_count, metrics)
             if self.config.output.save_every and self.learner.step_count % self.config.output.save_every == 0:
-                self.save()
-        self.save()
+                self.save(final=self.learner.step_count >= settings.max_steps)
+        self.save(final=True)
 
     async def _start_rollouts(self) -> None:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
@@ -106,12 +109,14 @@ class Run:
             self.rolling.cancel()
             await asyncio.gather(self.rolling, return_exceptions=True)
 
-    def save(self) -> Path:
-        """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
+    def save(self, final: bool = False) -> Path:
+        """A checkpoint; the final one also holds `model/`, a complete model directory (weights, config and
+        tokenizer)."""
         self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
         with interrupts_deferred():
-            path = self.learner.save()
-            self.tokenizer.save_pretrained(path / "model")
+            path = self.learner.save(export=final)
+            if final:
+                self.tokenizer.save_pretrained(path / "model")
         return path
 
     def close(self) -> None:
@@ -140,6 +145,7 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
 
     from adapters.tasks import load_tasks
     from harness_rl.learner.checkpoint import latest_checkpoint
+    from harness_rl.learner.distributed import Ranks
     from harness_rl.learner.learner import Learner
     from harness_rl.learner.weight_sync import NoSync
     from harness_rl.run.engines import EngineSampler, weight_sync_for
@@ -161,10 +167,12 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         engine, loop = stack.engine, stack.loop
         temperature = config.proxy.sampling.temperature or 1.0
         sync = weight_sync_for(engine, loop)
+        Ranks.current().broadcast((engine.model_dir, output_dir))  # what the other ranks' learners load and write
+        sampler = None if isinstance(sync, NoSync) else EngineSampler(engine.url, loop, temperature,
+                                                                      model=engine.adapter_name)
         learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
                           weight_sync=ProxyGate(sync, stack.client, loop), output_dir=output_dir,
-                          save_total_limit=config.output.save_total_limit,
-                          sync_check=None if isinstance(sync, NoSync) else EngineSampler(engine.url, loop, temperature))
+                          save_total_limit=config.output.save_total_limit, sync_check=sampler)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:
             state = learner.load(checkpoint)
@@ -181,6 +189,18 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         if created:  # a run that never started leaves no half-made folder behind
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
+
+
+def follow(config: RunConfig) -> None:
+    """A rank other than 0 under torchrun: its shard of the policy, stepped, synced and saved as rank 0 says."""
+    from harness_rl.learner.distributed import Ranks
+    from harness_rl.learner.learner import Learner
+
+    where: tuple[Path, Path] = Ranks.current().broadcast(None)
+    model_dir, output_dir = where
+    learner = Learner(model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
+                      seed=config.seed, output_dir=output_dir)
+    learner.follow()
 
 
 def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
