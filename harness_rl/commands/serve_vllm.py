@@ -21,6 +21,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="vLLM's interpreter (default: $HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, this one)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the tiny model is built")
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="also serve LoRA adapters up to rank R, loaded at run time (for train --lora-rank R: "
+                             "--enable-lora, --max-lora-rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; default: 0, off)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.set_defaults(run=run, passthrough=[])
 
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir, name = _model(args)
         python = find_vllm_python(args.vllm_python)
         launch = vllm_launch(model_dir, python=python, cuda=has_cuda(python), host=args.host, port=args.port,
-                             served_model_name=name, extra_args=args.passthrough)
+                             served_model_name=name, extra_args=args.passthrough, lora_rank=args.lora_rank)
     except VllmSetupError as error:
         print(f"harness-rl serve vllm: {error}", file=sys.stderr)
         return 2

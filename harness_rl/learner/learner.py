@@ -116,6 +116,12 @@ class Learner:
         return policy
 
     @property
+    def trained_parameters(self) -> tuple[int, int]:
+        """(parameters that train, all parameters) of the whole policy, however it is sharded."""
+        params = list(self.model.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+    @property
     def weights(self) -> WeightSource:
         """The policy's weights as an engine loads them (adapter merged), for a sync or an export."""
         return WeightSource(self.model, self.ranks, self.lora)
@@ -132,7 +138,7 @@ class Learner:
 
     def sync_weights(self) -> None:
         """Push the current weights and version to the engine (also after `load`, to a fresh engine)."""
-        self._command("sync_weights")
+        self._command("sync")
         self._sync()
 
     def save(self, path: str | Path | None = None, *, export: bool = False) -> Path:

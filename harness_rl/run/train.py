@@ -173,6 +173,11 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
                           weight_sync=ProxyGate(sync, stack.client, loop), output_dir=output_dir,
                           save_total_limit=config.output.save_total_limit, sync_check=sampler)
+        if learner.lora is not None:
+            trained, total = learner.trained_parameters
+            served = f"vLLM serves it as {engine.adapter_name}" if engine.adapter_name else "the engine gets it merged"
+            print(f"harness-rl: LoRA rank {config.learner.lora_rank} trains {trained:,} of {total:,} parameters "
+                  f"({trained / total:.2%}); {served}", file=sys.stderr, flush=True)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:
             state = learner.load(checkpoint)
