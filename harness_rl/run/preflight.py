@@ -73,7 +73,7 @@ def _check_engine(config: RunConfig) -> None:
     elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
         if Path(model).exists():
             raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
-                                         "checkpoint")
+                                         "final checkpoint (its model/)")
         if kind == "embedded" or not HUB_ID.match(model):
             where = "a local model directory" + ("" if kind == "embedded" else " or a hub id (org/name)")
             raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
