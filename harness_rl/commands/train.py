@@ -10,7 +10,7 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from harness_rl.flags import Flag, add_flags, flags_of, show
 from harness_rl.run.config import RunConfig
@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        _start_torchrun(args.nproc_per_node, args.argv)
+        command = torchrun_command(args.nproc_per_node, args.argv)
+        print(f"harness-rl train: starting {shlex.join(command)}", file=sys.stderr, flush=True)
+        os.execv(sys.executable, command)  # torchrun takes this process's place, signals and exit code included
 
     from harness_rl.demo.teacher import TeacherError
     from harness_rl.demo.tiny_agent import TinyAgentError
@@ -106,16 +108,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_torchrun(processes: int, argv: list[str]) -> NoReturn:
-    """This command again under torchrun, one learner process per GPU of this machine (replaces this process)."""
+def torchrun_command(processes: int, argv: list[str]) -> list[str]:
+    """This command (`argv`, without --nproc-per-node) again under torchrun, one process per GPU of this machine."""
     rest = []
     skip = False
     for arg in argv:
-        if skip or arg.startswith("--nproc-per-node"):
+        if skip or arg == "--nproc-per-node" or arg.startswith("--nproc-per-node="):
             skip = arg == "--nproc-per-node"
             continue
         rest.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-               "-m", "harness_rl", *rest]
-    print(f"harness-rl train: starting {shlex.join(command)}", file=sys.stderr, flush=True)
-    os.execv(sys.executable, command)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "harness_rl", *rest]

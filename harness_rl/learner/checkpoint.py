@@ -130,7 +130,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if not (path / STATE_DIR).is_dir():
         raise FileNotFoundError(f"{path} has no {STATE_DIR}/ (a checkpoint of an older harness-rl): start the run "
                                 f"again from its model, --model {path / MODEL_DIR}")
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    # A LoRA checkpoint holds the adapter alone: the frozen weights stay as loaded from the model.
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     with _one_process_is_fine():
