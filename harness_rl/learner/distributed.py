@@ -112,17 +112,20 @@ def leave() -> None:
 
 
 def shard(policy: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
-    """FSDP2 over `policy` (which holds `model`): each decoder layer its own unit, the rest at the root.
-
-    Gradients are summed across ranks (divide factor 1): the loss is already normalised over the step.
+    """FSDP2 over `policy` (which holds `model`): each decoder layer its own unit, the rest (embeddings, final
+    norm, LM head) at the root. On a GPU the layers compute in bf16 and the root in fp32, as one process does
+    under autocast (the LM head and the loss in float32); gradients are reduced in fp32. They are summed across
+    ranks (divide factor 1): the loss is already normalised over the step. Each shard moves to `device`.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-             if device.type == "cuda" else MixedPrecisionPolicy())
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" else MixedPrecisionPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mixed)
-    fully_shard(policy, mp_policy=mixed)
+        fully_shard(layer, mesh=mesh, mp_policy=layers)
+    fully_shard(policy, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

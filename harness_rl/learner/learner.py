@@ -43,6 +43,7 @@ from harness_rl.learner.checkpoint import (
 )
 from harness_rl.learner.config import LearnerConfig
 from harness_rl.learner.grpo import Mismatch, grpo_loss
+from harness_rl.learner.lora import Lora
 from harness_rl.learner.packing import MicroBatch, PackedPolicy, pack
 from harness_rl.learner.samples import Sample, build_samples
 from harness_rl.learner.sync_check import PROMPT_TOKENS, EngineSampler, score
@@ -60,8 +61,6 @@ class Learner:
         """`temperature` is the one the proxy pins for sampling: logprobs are compared at it; checkpoints go to
         `output_dir/checkpoints`, the newest `save_total_limit` kept; `sync_check` samples the engine after
         every sync, to check it serves the learner's weights. Under torchrun every rank constructs one."""
-        from harness_rl.learner.lora import Lora
-
         self.config = config = config or LearnerConfig()
         self.temperature = temperature
         self.output_dir = Path(output_dir) if output_dir is not None else None

@@ -1,7 +1,7 @@
 """What `--model` names, for the run: a model directory, a training run's directory (the model of its
-newest checkpoint that has one: the final checkpoint of a run), or a hub id the engine serves. Models harness-rl builds offline (`tiny`,
-`tiny-agent`) are resolved to their directories by the demo (`harness_rl.demo.models`) before a
-run starts.
+newest checkpoint that has one: the final checkpoint of a run), or a hub id the engine serves. Models
+harness-rl builds offline (`tiny`, `tiny-agent`) are resolved to their directories by the demo
+(`harness_rl.demo.models`) before a run starts.
 """
 
 from __future__ import annotations
