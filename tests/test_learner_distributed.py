@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_lm import build_tiny_lm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "learner_worker.py"

@@ -15,7 +15,7 @@ import pytest
 
 from harness_rl.learner.checkpoint import checkpoint_dir, complete_checkpoints
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 TRAIN = [sys.executable, "-m", "harness_rl", "train", "--report-to", "none"]
 
 
