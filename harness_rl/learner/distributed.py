@@ -92,9 +92,14 @@ def join(device: torch.device, timeout_s: float) -> Ranks:
 
 def join_learner(device: str, timeout_s: float) -> Ranks:
     """`join` for a learner on `device` (`auto`: cuda when available), before anything else is started."""
-    from harness_rl.learner.learner import torch_device
-
     return join(torch.device(torch_device(device)), timeout_s)
+
+
+def torch_device(name: str) -> str:
+    """`auto`: cuda when available, else cpu; anything else as given."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def local_device(device: torch.device) -> torch.device:

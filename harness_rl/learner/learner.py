@@ -42,6 +42,7 @@ from harness_rl.learner.checkpoint import (
     save_checkpoint,
 )
 from harness_rl.learner.config import LearnerConfig
+from harness_rl.learner.distributed import torch_device
 from harness_rl.learner.grpo import Mismatch, grpo_loss
 from harness_rl.learner.lora import Lora
 from harness_rl.learner.packing import MicroBatch, PackedPolicy, pack
@@ -378,13 +379,6 @@ def _reduce(key: str, total: float | None, value: float) -> float:
     if _is_extremum(key):
         return max(total, value) if "max" in key else min(total, value)
     return total + value
-
-
-def torch_device(name: str) -> str:
-    """`auto`: cuda when available, else cpu; anything else as given."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def attention_kernel(device: torch.device) -> str:

@@ -16,6 +16,7 @@ from harness_rl.learner.weight_sync import WeightSync, WeightSyncError
 from proxy.client import ProxyClient, ProxyClientError
 
 if TYPE_CHECKING:
+    from harness_rl.learner.weight_source import Sends
     from harness_rl.learner.weight_sync import Weights
 
 
@@ -27,7 +28,7 @@ class ProxyGate:
         self.client = client
         self.loop = loop
         self.keeps_requests = inner.keeps_requests
-        self.sends = inner.sends
+        self.sends: Sends = getattr(inner, "sends", "weights")
 
     def push(self, weights: Weights, version: int) -> None:
         # A backend that keeps in-flight generations needs no drain: the learner never waits on a long one.
