@@ -8,8 +8,8 @@ the median of the timed steps, rank 0's clock. Ratios are against one process wi
 
     python benchmarks/scale_bench.py [--steps 3] [--device cpu]
 
-On CPU the two processes share the machine's cores (gloo), so the step-time ratio there measures
-overhead, not speed-up; the memory ratios are what sharding buys on any device.
+On CPU every process gets `--threads` threads (1, as torchrun sets), so two processes use twice the
+cores of one; the memory ratios are what sharding buys on any device.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def launch(model_dir: Path, out: Path, processes: int, lora_rank: int, args: arg
     command = [*prefix, __file__, "--worker", "--model-dir", str(model_dir), "--out", str(out), "--lora-rank",
                str(lora_rank), "--steps", str(args.steps), "--device", args.device, "--rollouts", str(args.rollouts),
                "--prompt", str(args.prompt), "--completion", str(args.completion)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"scale_bench: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -115,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after one warm-up step)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for one GPU per process")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process (torchrun's default: 1)")
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--completion", type=int, default=32)
@@ -148,7 +149,8 @@ def main() -> None:
               f"{worst['params'] / mib:>8.1f}M{worst['grads'] / mib:>8.1f}M{worst['optimizer'] / mib:>8.1f}M"
               f"{held / mib:>9.1f}M{held / base_bytes:>7.2f}{max(r['peak_rss'] for r in reports) / mib:>9.0f}M"
               f"{step_s:>8.2f}{step_s / base['step_s']:>7.2f}")
-    print(f"(MiB; the busiest rank; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after)")
+    print(f"(MiB; the busiest rank; {args.threads} CPU thread(s) per process; load average {load_before[0]:.1f} "
+          f"before, {load_after[0]:.1f} after)")
 
 
 if __name__ == "__main__":
