@@ -3,14 +3,24 @@
 1. Packed logprobs equal per-row logprobs on the GPU, for every attention kernel available here
    (sdpa always, flash_attention_2 when flash-attn is installed: the varlen path), in float32 and
    under the learner's bf16 autocast.
-2. Learner step throughput on the GPU (forwarded and trained tokens/s), float32 weights + bf16 autocast.
+2. Learner step throughput on the GPU (forwarded and trained tokens/s), float32 weights + bf16 autocast,
+   full fine-tuning and LoRA rank 8 (the merged weights a sync sends checked against peft's own merge).
+3. FSDP2 (needs 2 GPUs): the same 3 steps in 1 process and in 2 (torchrun, NCCL, bf16 compute with fp32
+   reduction), full and LoRA: losses and exported weights side by side, and the memory per rank
+   (`scale_bench.py`'s layouts on cuda).
 
-    python benchmarks/learner_gpu_check.py
+    python benchmarks/learner_gpu_check.py             # about 5 minutes on one H100-class GPU
+    python benchmarks/learner_gpu_check.py --dry-run   # what would run, and whether it can (any machine)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +30,9 @@ import torch
 from harness_rl.learner.packing import pack, packed_logprobs
 from harness_rl.learner.rows import Row
 from harness_rl.learner.samples import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_LIMIT = 5e-2  # |Δ logprob| between bf16 runs whose reductions run in another order
 
 
 def kernels() -> list[str]:
@@ -71,20 +84,17 @@ def check_kernels(model_dir: Path) -> None:
                     for split in (False, True):
                         got, _ = packed_logprobs(model, batch, split_rows=split)
                         worst = max(worst, (got - per_row(model, batch)).abs().max().item())
-            limit = 5e-2 if autocast else 1e-4
+            limit = BF16_LIMIT if autocast else 1e-4
             print(f"   {attn:<18} {'bf16 autocast' if autocast else 'float32':<14} {worst:.2e} "
                   f"({'ok' if worst < limit else 'TOO LARGE'}, limit {limit:g})")
 
 
 def time_learner(model_dir: Path) -> None:
+    from harness_rl.learner.config import LearnerConfig
     from harness_rl.learner.learner import Learner
     from harness_rl.outcome import RolloutGroup, RolloutOutcome
-    from harness_rl.run.config import LearnerConfig
-    from harness_rl.run.metrics import MetricsLogger
     from harness_rl.trace import TrainingTrace, Turn
 
-    learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, token_budget=16384),
-                      metrics=MetricsLogger(None, console=False))
     rng = random.Random(1)
 
     def group(step: int) -> RolloutGroup:
@@ -98,27 +108,117 @@ def time_learner(model_dir: Path) -> None:
                                            trace=TrainingTrace(rollout_id=str(i), turns=[turn])))
         return RolloutGroup(group_id=step, task="t", outcomes=outcomes)
 
-    learner.step([group(0)])
-    torch.cuda.synchronize()
-    started, forwarded, trained = time.perf_counter(), 0.0, 0.0
-    for step in range(1, 6):
-        metrics = learner.step([group(step)])
-        forwarded += metrics["batch/forwarded_tokens_per_step"]
-        trained += metrics["batch/trained_tokens_per_step"]
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    print(f"2. learner on cuda: {forwarded / elapsed:.0f} forwarded tok/s, {trained / elapsed:.0f} trained tok/s, "
-          f"{elapsed / 5:.3f} s/step")
+    print("2. learner step on cuda")
+    for lora_rank in (0, 8):
+        learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, token_budget=16384, lora_rank=lora_rank))
+        learner.step([group(0)])
+        torch.cuda.synchronize()
+        started, forwarded, trained = time.perf_counter(), 0.0, 0.0
+        for step in range(1, 6):
+            metrics = learner.step([group(step)])
+            forwarded += metrics["batch/forwarded_tokens_per_step"]
+            trained += metrics["batch/trained_tokens_per_step"]
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        label = f"lora {lora_rank}" if lora_rank else "full"
+        print(f"   {label:<8} {forwarded / elapsed:.0f} forwarded tok/s, {trained / elapsed:.0f} trained tok/s, "
+              f"{elapsed / 5:.3f} s/step, peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        if lora_rank:
+            check_merge(learner)
+        del learner
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def check_merge(learner) -> None:
+    """The merged weights a sync sends against peft's own merge of the same adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    ours = dict(learner.weights)
+    worst = 0.0
+    for name, layer in learner.lora.layers.items():
+        assert isinstance(layer, LoraLayer)
+        base = layer.get_base_layer().weight
+        theirs = base + layer.get_delta_weight("default")
+        worst = max(worst, (ours[f"{name}.weight"] - theirs).abs().max().item())
+    print(f"   lora merge: ours vs peft's max |Δ| {worst:.2e} ({'ok' if worst < 1e-5 else 'TOO LARGE'})")
+
+
+def check_fsdp(model_dir: Path, work: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        print("3. FSDP2 across 2 GPUs: skipped, this machine has one")
+        return
+    print("3. FSDP2: 1 process vs 2 (torchrun, NCCL, bf16 compute), 3 steps")
+    from safetensors.torch import load_file
+
+    for lora_rank in (0, 8):
+        runs = {n: fsdp_run(model_dir, work / f"fsdp-{lora_rank}-{n}", n, lora_rank) for n in (1, 2)}
+        loss_delta = max(abs(a - b) for a, b in zip(runs[1][0], runs[2][0], strict=True))
+        exported = [load_file(runs[n][1] / "model.safetensors") for n in (1, 2)]
+        worst = max((exported[0][k].float() - exported[1][k].float()).abs().max().item() for k in exported[0])
+        label = f"lora {lora_rank}" if lora_rank else "full"
+        print(f"   {label:<8} losses 1 proc {runs[1][0]}, 2 procs {runs[2][0]}: max |Δ| {loss_delta:.2e}; "
+              f"weights max |Δ| {worst:.2e} ({'ok' if loss_delta < BF16_LIMIT else 'TOO LARGE'})")
+    bench = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--device", "cuda",
+                            "--rollouts", "8", "--prompt", "1024", "--completion", "256"],
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    print("   " + (bench.stdout or bench.stderr[-2000:]).replace("\n", "\n   "))
+
+
+def fsdp_run(model_dir: Path, out: Path, processes: int, lora_rank: int) -> tuple[list[float], Path]:
+    prefix = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command = [*prefix, __file__, "--fsdp-worker", str(model_dir), str(out), str(lora_rank)]
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"learner_gpu_check: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads((out / "losses.json").read_text()), out / "checkpoints" / "step-00000003" / "model"
+
+
+def fsdp_worker(model_dir: Path, out: Path, lora_rank: int) -> None:
+    from scale_bench import groups
+
+    from harness_rl.learner.config import LearnerConfig
+    from harness_rl.learner.learner import Learner
+
+    learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, lora_rank=lora_rank), output_dir=out)
+    if not learner.ranks.leader:
+        learner.follow()
+        return
+    losses = [learner.step(groups(step, 8, 512, 128))["loss"] for step in range(3)]
+    learner.save(export=True)
+    learner.close()
+    (out / "losses.json").write_text(json.dumps(losses))
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("learner_gpu_check: no CUDA device here")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="say what would run here, and stop")
+    parser.add_argument("--fsdp-worker", nargs=3, metavar=("MODEL", "OUT", "LORA_RANK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fsdp_worker:
+        model, out, rank = args.fsdp_worker
+        fsdp_worker(Path(model), Path(out), int(rank))
+        return
+    gpus = torch.cuda.device_count()
+    if args.dry_run:
+        import peft  # noqa: F401  (LoRA needs it)
+
+        print(f"learner_gpu_check: {gpus} GPU(s); would run 1 (kernels: {', '.join(kernels())}), 2 (full, lora 8), "
+              f"and {'3 (FSDP2 1 vs 2 processes, scale_bench on cuda)' if gpus >= 2 else 'not 3 (needs 2 GPUs)'}")
+        return
+    if not gpus:
+        raise SystemExit("learner_gpu_check: no CUDA device here (--dry-run says what would run)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from scale_bench import build_model
+
     from harness_rl.engine import build_tiny_model
 
-    model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-    check_kernels(model_dir)
+    work = Path(tempfile.mkdtemp())
+    check_kernels(build_tiny_model(work / "tiny", seed=0))
+    model_dir = build_model(work / "model-50m")
     time_learner(model_dir)
+    check_fsdp(model_dir, work)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: -- {' '.join(passthrough)}")
     if hasattr(args, "passthrough"):
         args.passthrough = passthrough
+    args.argv = ours  # what a command that starts itself again (train under torchrun) passes on
     return int(args.run(args) or 0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,16 @@ from fake_engine import FakeEngine, run_fake_engine
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, serve_in_thread
+from harness_rl.learner.weight_source import WeightSource
 from harness_rl.learner.weight_sync import HttpEngineSync, WeightSyncError
-from harness_rl.run.fanout_sync import FanOutSync
+from harness_rl.run.fanout_sync import FanOutSync, SharedPass
 
 
 class SetsVersion:
     """A backend that 'pushes' by setting a fake engine's version, after waiting for every other push to start."""
 
     keeps_requests = True
+    sends = "weights"
 
     def __init__(self, fake: FakeEngine, together: threading.Barrier, fail: bool = False, lie: bool = False) -> None:
         self.fake, self.together, self.fail, self.lie = fake, together, fail, lie
@@ -131,3 +134,44 @@ def test_the_sync_check_asks_the_engines_in_turn_and_passes_over_a_dead_one(tiny
         sampler.close()
         only_dead.close()
     engine.close()
+
+
+class CountingSource(WeightSource):
+    """A source whose passes are counted (under torchrun each one is a collective every rank must join)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return super().__iter__()
+
+
+def test_one_pass_of_the_weights_feeds_every_engine_and_a_failing_reader_stops_no_one() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    source = CountingSource(model)
+    shared = SharedPass(source, 3, "weights")
+    got: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+
+    def read(reader: int) -> None:
+        view = shared.view(reader)
+        try:
+            for i, (name, tensor) in enumerate(view):
+                if reader == 1 and i == 2:
+                    raise WeightSyncError("engine 1 went away mid-push")
+                got[reader][name] = tensor
+        finally:
+            view.leave()
+
+    with ThreadPoolExecutor(3) as threads:
+        reading = [threads.submit(read, i) for i in range(3)]
+        shared.feed()
+        failures = [r.exception() for r in reading]
+    expected = {name: p for name, p in model.named_parameters()}
+    assert source.passes == 1
+    assert [f is None for f in failures] == [True, False, True]
+    for reader in (0, 2):
+        assert got[reader].keys() == expected.keys()
+        assert all(torch.equal(got[reader][n], expected[n]) for n in expected)
+    assert len(got[1]) == 2

@@ -57,7 +57,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(model_dir, tmp_path):
         first.step(groups[2 * i:2 * i + 2])
     first.extra_state = {"next_group": 4, "in_flight": [4, 5]}
     path = first.save()
-    assert path.name == "step-00000002" and (path / "model" / "config.json").is_file()
+    assert path.name == "step-00000002" and (path / "state").is_dir() and not (path / "model").exists()
     torch.manual_seed(1234)  # the restored RNG must not depend on what happened in between
 
     resumed = Learner(model_dir, config())

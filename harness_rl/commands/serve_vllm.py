@@ -26,6 +26,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                         help="copies of the model inside this one server (vLLM's flag, on GPUs); the proxy keeps "
                              "each agent session on one copy, for its prefix cache")
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="also serve LoRA adapters up to rank R, loaded at run time (for train --lora-rank R: "
+                             "--enable-lora, --max-lora-rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; default: 0, off)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.set_defaults(run=run, passthrough=[])
 
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         model_dir, name = _model(args)
         python = find_vllm_python(args.vllm_python)
         launch = vllm_launch(model_dir, python=python, cuda=has_cuda(python), host=args.host, port=args.port,
-                             served_model_name=name, extra_args=[*parallel, *args.passthrough])
+                             served_model_name=name, extra_args=[*parallel, *args.passthrough],
+                             lora_rank=args.lora_rank)
     except VllmSetupError as error:
         print(f"harness-rl serve vllm: {error}", file=sys.stderr)
         return 2

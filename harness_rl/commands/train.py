@@ -7,6 +7,9 @@ Every flag is generated from a field of `harness_rl.run.config.RunConfig` (help 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import sys
 from typing import Any
 
 from harness_rl.flags import Flag, add_flags, flags_of, show
@@ -41,6 +44,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                                                                   "else real)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and "
                                                                     "exit")
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                        help="learner processes on this machine (one per GPU): starts torchrun, the policy sharded "
+                             "with FSDP2 across them, rank 0 running the engine, proxy and rollouts (default: 1; "
+                             "several machines: torchrun --nnodes ... -m harness_rl train)")
     add_flags(parser, FLAGS, _default_text)
     parser.set_defaults(run=run)
 
@@ -51,7 +58,6 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import signal
-    import sys
 
     from harness_rl.demo import models
     from harness_rl.flags import collect
@@ -74,12 +80,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl train: {exc}", file=sys.stderr)
         return 2
 
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        command = torchrun_command(args.nproc_per_node, args.argv)
+        print(f"harness-rl train: starting {shlex.join(command)}", file=sys.stderr, flush=True)
+        os.execv(sys.executable, command)  # torchrun takes this process's place, signals and exit code included
+
     from harness_rl.demo.teacher import TeacherError
     from harness_rl.demo.tiny_agent import TinyAgentError
-    from harness_rl.run.train import RunStopped, train
+    from harness_rl.learner import distributed
+    from harness_rl.run.train import RunStopped, follow, train
 
     signal.signal(signal.SIGTERM, _interrupt)  # a job scheduler's stop is handled like Ctrl-C
+    ranks = distributed.join_learner(config.learner.device, config.learner.collective_timeout_s)
     try:
+        if not ranks.leader:
+            follow(config)
+            return 0
         model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
         train(config, model_dir)
     except KeyboardInterrupt:
@@ -87,4 +103,19 @@ def run(args: argparse.Namespace) -> int:
     except (RunStopped, TinyAgentError, TeacherError) as exc:
         print(f"harness-rl train: stopped: {exc}", file=sys.stderr)
         return 1
+    finally:
+        distributed.leave()
     return 0
+
+
+def torchrun_command(processes: int, argv: list[str]) -> list[str]:
+    """This command (`argv`, without --nproc-per-node) again under torchrun, one process per GPU of this machine."""
+    rest = []
+    skip = False
+    for arg in argv:
+        if skip or arg == "--nproc-per-node" or arg.startswith("--nproc-per-node="):
+            skip = arg == "--nproc-per-node"
+            continue
+        rest.append(arg)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "harness_rl", *rest]

@@ -56,6 +56,16 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                                        "installed, else sdpa", flag=None)] = None
     sync_every: Annotated[AtLeastOne, setting("push weights to the engine every N steps")] = 1
     max_sync_failures: Annotated[AtLeastZero, setting("failed weight syncs in a row tolerated", flag=None)] = 3
+    lora_rank: Annotated[AtLeastZero, setting(
+        "train a LoRA adapter of this rank (peft) instead of every weight; 0: full fine-tuning")] = 0
+    lora_alpha: Annotated[AtLeastOne | None, setting("LoRA scale numerator (the update is alpha/rank * B A); "
+                                                   "none: 2 x rank")] = None
+    lora_target_modules: Annotated[list[str], setting(
+        "module names LoRA adapts (repeat the flag); all-linear: every linear layer but the output head")] \
+        = msgspec.field(default_factory=lambda: ["all-linear"])
+    collective_timeout_s: Annotated[Positive, setting(
+        "under torchrun: how long a process waits in a collective, e.g. for rank 0's next step while it waits "
+        "for rollouts", flag=None)] = 7200.0
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
 

@@ -162,6 +162,19 @@ def packed_logprobs(
     return torch.cat(logps), torch.cat(entropies)
 
 
+class PackedPolicy(torch.nn.Module):
+    """A causal LM whose forward is `packed_logprobs`: one module call per micro-batch, so that a sharded
+    (FSDP) model gathers its root parameters (embeddings, final norm, LM head) around the whole of it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: MicroBatch, temperature: float = 1.0,
+                split_rows: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed_logprobs(self.model, batch, temperature, split_rows=split_rows)
+
+
 def varlen_packing(model: PreTrainedModel) -> bool:
     """Whether one packed forward keeps rows apart at varlen cost: flash attention, and attention in
     every layer (recurrent or convolutional mixers, as in hybrid linear-attention models, would carry

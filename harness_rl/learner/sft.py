@@ -35,7 +35,8 @@ import torch
 
 from harness_rl.engine.engine import set_threads
 from harness_rl.learner.config import SftConfig
-from harness_rl.learner.learner import attention_kernel, torch_device
+from harness_rl.learner.distributed import torch_device
+from harness_rl.learner.learner import attention_kernel
 from harness_rl.learner.packing import MicroBatch, pack, packed_logprobs
 from harness_rl.learner.rows import trace_rows
 from harness_rl.learner.samples import Sample

@@ -28,20 +28,22 @@ class EngineSampler(Protocol):
 
 
 def score(model: Any, turns: list[tuple[list[int], list[int], list[float]]], temperature: float) -> Mismatch:
-    """The learner's logprobs of each turn's sampled ids (after its prompt) against the engine's."""
+    """The learner's logprobs of each turn's sampled ids (after its prompt) against the engine's; `model` is
+    a causal LM or the learner's `PackedPolicy` (sharded: every rank scores the same turns)."""
     import torch
 
-    from harness_rl.learner.packing import pack, packed_logprobs
+    from harness_rl.learner.packing import PackedPolicy, pack
     from harness_rl.learner.rows import NO_VERSION, Row
     from harness_rl.learner.samples import Sample
 
     rows = [Row(f"turn-{i}", prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + logps,
                 [NO_VERSION] * (len(prompt) + len(ids))) for i, (prompt, ids, logps) in enumerate(turns)]
     total = Mismatch()
+    policy = model if isinstance(model, PackedPolicy) else PackedPolicy(model)
     device = next(model.parameters()).device
     with torch.no_grad():
         for batch in pack([Sample(row, row.rollout_id, 0.0) for row in rows if row.n_trained], token_budget=1 << 16):
             batch = batch.to(device)
-            logps, _ = packed_logprobs(model, batch, temperature=temperature, split_rows=True)
+            logps, _ = policy(batch, temperature, split_rows=True)
             total = total + Mismatch.of(logps, batch.behaviour_logps)
     return total

@@ -1,7 +1,10 @@
 """Putting the learner's new weights into the engine the agents are talking to.
 
-One protocol, `WeightSync.push(model, version)`, and its backends (the run level gates each push at the
-proxy, `harness_rl.run.proxy_gate`):
+One protocol, `WeightSync.push(weights, version)`, and its backends (the run level gates each push at the
+proxy, `harness_rl.run.proxy_gate`). `weights` is the learner's `WeightSource` (full tensors under their
+Hugging Face names, gathered one at a time from a sharded policy; a LoRA adapter merged in) or, for one
+process, the model itself. A backend passes over it once per push (under torchrun the other ranks gather
+in lockstep with that pass); `sends` says what it takes: the weights, the adapter alone, or nothing.
 
 - `InProcessSync`: the embedded engine in this process; a copy under its model lock.
 - `HttpEngineSync`: an embedded engine in another process: pause(wait) → safetensors body to
@@ -37,6 +40,9 @@ import msgspec
 import torch
 
 from harness_rl.background import BackgroundLoop
+from harness_rl.learner.weight_source import Sends, WeightSource
+
+Weights = WeightSource | torch.nn.Module
 
 
 class WeightSyncError(RuntimeError):
@@ -51,8 +57,9 @@ class WeightSync(Protocol):
     """
 
     keeps_requests: bool
+    sends: Sends
 
-    def push(self, model: torch.nn.Module, version: int) -> None: ...
+    def push(self, weights: Weights, version: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -61,8 +68,9 @@ class NoSync:
     """For runs whose engine is not ours to update (offline training, tests of the loop alone)."""
 
     keeps_requests = True
+    sends: Sends = "nothing"
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         pass
 
     def close(self) -> None:
@@ -74,21 +82,27 @@ class InProcessSync:
     flight goes on with the new weights, and the engine stamps each token with the version that sampled it)."""
 
     keeps_requests = True
+    sends: Sends = "weights"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        self.engine.load_weights(parameters(model), version)
+    def push(self, weights: Weights, version: int) -> None:
+        self.engine.load_weights(parameters(weights), version)
         self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         pass
 
 
-def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def weight_source(weights: Weights) -> WeightSource:
+    """The weights as a source: a learner's as given, a module's (one process, no adapter) wrapped."""
+    return weights if isinstance(weights, WeightSource) else WeightSource(weights)
+
+
+def parameters(weights: Weights) -> dict[str, torch.Tensor]:
     """The weights to send, each once: a tied output head is its input embedding and is not sent again."""
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return dict(weight_source(weights))
 
 
 class EngineControl:
@@ -146,15 +160,16 @@ class HttpEngineSync:
     """Push weights to an embedded engine served in another process."""
 
     keeps_requests = False  # pause(wait): it drains generations first
+    sends: Sends = "weights"
 
     def __init__(self, base_url: str, loop: BackgroundLoop, timeout_s: float = 300.0) -> None:
         self.loop = loop
         self.control = EngineControl(base_url, timeout_s)
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         from safetensors.torch import save
 
-        payload = save({name: t.contiguous().cpu() for name, t in parameters(model).items()})
+        payload = save({name: t.contiguous().cpu() for name, t in weight_source(weights)})
         self.loop.run(self._push(payload, version))
 
     async def _push(self, payload: bytes, version: int) -> None:
@@ -206,6 +221,7 @@ class VllmNcclSync:
     """vLLM's native weight transfer: HTTP control plane, NCCL data plane (trainer = rank 0)."""
 
     keeps_requests = False  # pause(wait): it drains generations first
+    sends: Sends = "weights"
 
     def __init__(self, base_url: str, loop: BackgroundLoop, *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, transport: Transport | None = None, dtype: torch.dtype | None = None,
@@ -237,17 +253,19 @@ class VllmNcclSync:
         join = _in_daemon_thread(self.transport.init, self.master_address, self.master_port, world_size)
         await self._together(request, join, "init_weight_transfer_engine")
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         if not self._ready:
             self.init()
-        params = [(name, t if self.dtype is None else t.to(self.dtype)) for name, t in parameters(model).items()]
-        self.loop.run(self._push(params, version))
+        source = weight_source(weights)
+        metadata = source.metadata()
+        manifest = {"names": [m.name for m in metadata],
+                    "dtype_names": [str(self.dtype or m.dtype).removeprefix("torch.") for m in metadata],
+                    "shapes": [list(m.shape) for m in metadata], "packed": True}
+        params = ((name, t if self.dtype is None else t.to(self.dtype)) for name, t in source)  # streamed
+        self.loop.run(self._push(manifest, params, version))
 
-    async def _push(self, params: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _push(self, manifest: dict[str, Any], params: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         control = self.control
-        manifest = {"names": [n for n, _ in params], "dtype_names": [str(t.dtype).removeprefix("torch.")
-                                                                     for _, t in params],
-                    "shapes": [list(t.shape) for _, t in params], "packed": True}
         started = False
         try:
             await control.call("POST", "/pause", params={"mode": "wait"})
@@ -343,6 +361,7 @@ class ReloadSync:
     """
 
     keeps_requests = True
+    sends: Sends = "weights"
 
     def __init__(self, base_url: str, loop: BackgroundLoop, weights_dir: Path, *, restore_dir: Path | None = None,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, reload_timeout_s: float = 600.0) -> None:
@@ -354,10 +373,10 @@ class ReloadSync:
         self.reload_timeout_s = reload_timeout_s
         self.timings = SyncTimings()
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         target = self.slots[1] if self.loaded == self.slots[0] else self.slots[0]
         self.timings = SyncTimings()
-        self.loop.run(self._push(reload_tensors(model), target, version))
+        self.loop.run(self._push(reload_tensors(weights), target, version))
 
     async def _push(self, tensors: dict[str, torch.Tensor], target: Path, version: int) -> None:
         control, timings, clock = self.control, self.timings, time.perf_counter()
@@ -426,17 +445,16 @@ def _lap(since: float) -> tuple[float, float]:
     return now - since, now
 
 
-def reload_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def reload_tensors(weights: Weights) -> dict[str, torch.Tensor]:
     """The weights as vLLM's `reload_weights` must read them: every parameter under its Hugging Face
     name, and a tied output head under its own name as well. vLLM reloads layer by layer, and a layer
     the files say nothing about keeps its old weights, so a tied head left out (as `save_pretrained`
     leaves it out) would keep sampling with the old embedding (max |Δ| 1.77 on the tiny model)."""
-    tensors = parameters(model)
-    head = getattr(model, "get_output_embeddings", lambda: None)()  # transformers models have it
-    weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        name = next(n for n, m in model.named_modules(remove_duplicate=False) if m is head)
-        tensors.setdefault(f"{name}.weight", weight.detach().clone())  # its own storage, as safetensors wants
+    source = weight_source(weights)
+    tensors = parameters(source)
+    if source.tied is not None:
+        head, embedding = source.tied
+        tensors[head] = tensors[embedding].clone()  # its own storage, as safetensors wants
     return tensors
 
 

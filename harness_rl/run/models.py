@@ -1,7 +1,7 @@
-"""What `--model` names, for the run: a model directory, a training run's directory (its latest
-checkpoint's model), or a hub id the engine serves. Models harness-rl builds offline (`tiny`,
-`tiny-agent`) are resolved to their directories by the demo (`harness_rl.demo.models`) before a
-run starts.
+"""What `--model` names, for the run: a model directory, a training run's directory (the model of its
+newest checkpoint that has one: the final checkpoint of a run), or a hub id the engine serves. Models
+harness-rl builds offline (`tiny`, `tiny-agent`) are resolved to their directories by the demo
+(`harness_rl.demo.models`) before a run starts.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ def local_model(model: str) -> Path:
 
 
 def run_model(path: Path) -> Path | None:
-    """The model of a training run's latest complete checkpoint, when `path` is a run directory."""
-    from harness_rl.learner.checkpoint import latest_checkpoint
+    """The model of a training run's newest checkpoint that holds one, when `path` is a run directory."""
+    from harness_rl.learner.checkpoint import latest_model
 
-    checkpoint = latest_checkpoint(path)
-    return checkpoint / "model" if checkpoint is not None else None
+    return latest_model(path)
 
 
 def vocab_size(model_dir: Path) -> int | None:

@@ -81,7 +81,7 @@ def _check_engine(config: RunConfig) -> None:
     elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
         if Path(model).exists():
             raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
-                                         "checkpoint")
+                                         "final checkpoint (its model/)")
         if kind == "embedded" or not HUB_ID.match(model):
             where = "a local model directory" + ("" if kind == "embedded" else " or a hub id (org/name)")
             raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
@@ -142,6 +142,10 @@ def _check_learner(config: RunConfig) -> None:
     if learner.lr_scheduler != "constant" and learner.max_steps <= learner.warmup_steps:
         raise ConfigError("--lr-scheduler", f"a {learner.lr_scheduler} schedule needs --max-steps greater than "
                                             "--warmup-steps")
+    if config.engine.weight_sync == "lora" and not learner.lora_rank:
+        raise ConfigError("--weight-sync", "lora syncs a LoRA adapter: set --lora-rank")
+    if learner.lora_rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError("--lora-rank", "LoRA needs peft: pip install 'harness-rl[train]'")
 
 
 def _check_output(config: RunConfig) -> None:

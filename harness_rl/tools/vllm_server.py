@@ -127,8 +127,11 @@ class VllmLaunch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.0.1", port: int = 8000,
-                served_model_name: str | None = None, extra_args: Sequence[str] = ()) -> VllmLaunch:
-    """The command serving `model_dir` for exact capture and weight sync; raises VllmSetupError."""
+                served_model_name: str | None = None, extra_args: Sequence[str] = (),
+                lora_rank: int = 0) -> VllmLaunch:
+    """The command serving `model_dir` for exact capture and weight sync; raises VllmSetupError.
+
+    `lora_rank`: also serve LoRA adapters up to this rank, loaded and re-loaded at run time."""
     refuse_breaking_flags(extra_args, REFUSED if cuda else REFUSED | REFUSED_ON_CPU)
     config = read_model_config(model_dir)
     name = served_model_name or model_dir.name
@@ -159,6 +162,8 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
         ours.append(("--weight-transfer-config", json.dumps({"backend": "nccl"})))
     else:
         ours += [("--no-enable-chunked-prefill", None), ("--max-num-batched-tokens", str(max_model_len))]
+    if lora_rank:
+        ours += [("--enable-lora", None), ("--max-lora-rank", str(vllm_lora_rank(lora_rank)))]
     given = {_flag_name(arg) for arg in extra_args if arg.startswith("--")}
     command = [python, "-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in ours:
@@ -166,10 +171,21 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
             command += [flag] if value is None else [flag, value]
     command += list(extra_args)
     env = dict(DEV_MODE_ENV)
+    if lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if not cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib(text_config, max_model_len, dtype))
     return VllmLaunch(command=command, env=env, url=f"http://{host}:{port}", served_model_name=name,
                       max_model_len=max_model_len)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds `rank`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fitting = [r for r in allowed if r >= rank]
+    if not fitting:
+        raise VllmSetupError(f"vLLM serves LoRA ranks up to {allowed[-1]}, not {rank}")
+    return fitting[0]
 
 
 def refuse_breaking_flags(extra_args: Sequence[str],
