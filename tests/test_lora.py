@@ -89,7 +89,8 @@ def test_the_embedded_engine_serves_a_lora_policy_merged_and_the_sync_check_agre
         with BackgroundLoop("lora-inprocess") as loop, serve_in_thread(engine) as server:
             learner = Learner(tiny_model_dir, config(lora_rank=8, learning_rate=1e-2, lr_scheduler="constant",
                                                      warmup_steps=0),
-                              weight_sync=InProcessSync(engine), sync_check=EngineSampler(lambda: [server.url], loop, 1.0))
+                              weight_sync=InProcessSync(engine),
+                              sync_check=EngineSampler(lambda: [server.url], loop, 1.0))
             metrics = [learner.step(make_groups(2, seed=seed)) for seed in range(2)]
             learner.close()
     finally:
