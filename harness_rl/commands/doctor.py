@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="the name the engine serves the model under (default: its first model)")
     parser.add_argument("--min-context", type=int, default=65536,
                         help="the context length the run needs (default: %(default)s)")
-    parser.add_argument("--weight-sync", default="auto", choices=("auto", "http", "nccl", "reload", "none"),
+    parser.add_argument("--weight-sync", default="auto", choices=("auto", "http", "nccl", "gloo", "reload", "none"),
                         help="the weight sync the run will use; auto: any (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature of the mismatch measurement (default: %(default)s)")

