@@ -22,6 +22,7 @@ from fake_vllm import PUSH_ORDER, FakeVllm
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.learner.vllm_transfer import TrainerInit, TransferClient, VllmTransferSync, import_vllm
+from harness_rl.learner.weight_source import WeightSource
 from harness_rl.learner.weight_sync import WeightSyncError, free_port
 
 
@@ -29,17 +30,17 @@ class FakeTrainer:
     """vLLM's trainer round through its client: start → update_weights on a side thread while this rank
     broadcasts (which needs the server's update_weights in flight, as NCCL does) → finish without a version."""
 
-    def __init__(self, server: FakeVllm, client: TransferClient, model: Callable[[], torch.nn.Module],
+    def __init__(self, server: FakeVllm, client: TransferClient, weights: Callable[[], WeightSource],
                  stuck: bool) -> None:
-        self.server, self.client, self.model, self.stuck = server, client, model, stuck
+        self.server, self.client, self.weights, self.stuck = server, client, weights, stuck
         self.sent: list[list[str]] = []
         self.closed = threading.Event()
 
     def send_weights(self) -> None:
-        names = [name for name, _ in self.model().named_parameters()]
+        weights = self.weights()
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
-        update = pool.submit(self.client.update_weights, {"names": names})
+        update = pool.submit(self.client.update_weights, {"names": [m.name for m in weights.metadata()]})
         while not self.server.server_joined.wait(0.01):
             if update.done():  # vLLM refused its side: NCCL's broadcast would wait until the group is torn down
                 self.closed.wait()
@@ -47,7 +48,7 @@ class FakeTrainer:
         self.server.server_joined.clear()
         if self.stuck:
             time.sleep(2.5)
-        self.sent.append(names)
+        self.sent.append([name for name, _ in weights])  # the one pass over this push's weights
         self.server.trainer_joined.set()
         update.result()
         pool.shutdown(wait=False)
@@ -65,7 +66,7 @@ class FakeStart:
         self.inits: list[tuple[TrainerInit, torch.dtype | None]] = []
         self.trainers: list[FakeTrainer] = []
 
-    def __call__(self, init: TrainerInit, client: TransferClient, model: Callable[[], torch.nn.Module],
+    def __call__(self, init: TrainerInit, client: TransferClient, weights: Callable[[], WeightSource],
                  dtype: torch.dtype | None) -> FakeTrainer:
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, {"master_port": init.master_port})
@@ -74,7 +75,7 @@ class FakeStart:
             self.server.trainer_joined.set()
             joined.result()
         self.inits.append((init, dtype))
-        self.trainers.append(FakeTrainer(self.server, client, model, self.stuck))
+        self.trainers.append(FakeTrainer(self.server, client, weights, self.stuck))
         return self.trainers[-1]
 
 
@@ -144,8 +145,8 @@ def test_a_failing_step_is_named_and_the_engine_still_finishes_and_resumes(vllm,
 def test_a_stuck_broadcast_times_out_instead_of_hanging_and_resumes(vllm, model, loop):
     start = FakeStart(vllm, stuck=True)
     sync = VllmTransferSync(vllm.url, loop, start_trainer=start, control_timeout_s=5, transfer_timeout_s=1)
+    sync._weights = WeightSource(model)
     sync.init()
-    sync._model = model
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="update_weights timed out after 1s: the nccl transfer did not "
                                               "complete"):

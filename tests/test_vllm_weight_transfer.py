@@ -30,6 +30,7 @@ from harness_rl.learner.vllm_transfer import (
     check_vllm_api,
     import_vllm,
 )
+from harness_rl.learner.weight_source import WeightSource
 from harness_rl.learner.weight_sync import EngineControl, WeightSyncError, free_port
 from harness_rl.tools.vllm_server import VllmProcess
 
@@ -183,7 +184,7 @@ def test_the_learners_weights_reach_vllm_as_its_checked_stream_expects(vllm_trai
     del weights["lm_head.weight"]
     save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
     model = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)
-    source = vllm_trainer.LearnerWeights(lambda: model, torch.bfloat16)
+    source = vllm_trainer.LearnerWeights(lambda: WeightSource(model), torch.bfloat16)
     meta = source.metadata()
     sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
     names = [name for name, _ in model.named_parameters()]

@@ -13,42 +13,49 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
-    materialize_full_tensor,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
-from harness_rl.learner.weight_sync import tied_head
-
 if TYPE_CHECKING:
+    from harness_rl.learner import weight_source
     from harness_rl.learner.vllm_transfer import TrainerInit
 
 
 class LearnerWeights(WeightSource):
-    """The weights of the model being pushed, as vLLM's trainer engine sends them: every parameter under
-    its Hugging Face name, a tied output head under its own name too (vLLM reloads layer by layer, and
-    a layer it is sent nothing for keeps its old weights), FSDP shards gathered whole (`full_tensor`,
-    on every rank in the same order), cast to `dtype` when the engine serves another one."""
+    """The learner's weights of the push under way (`harness_rl.learner.weight_source`: full tensors under
+    their Hugging Face names, FSDP shards gathered in the one pass every rank joins, a LoRA adapter
+    merged) as vLLM's trainer engine sends them: cast to `dtype` when the engine serves another one,
+    and a tied output head sent under its own name too, after the rest (vLLM reloads layer by layer,
+    and a layer it is sent nothing for keeps its old weights)."""
 
-    def __init__(self, model: Callable[[], torch.nn.Module], dtype: torch.dtype | None) -> None:
-        self.model = model
+    def __init__(self, weights: Callable[[], weight_source.WeightSource], dtype: torch.dtype | None) -> None:
+        self.weights = weights
         self.dtype = dtype
 
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        model = self.model()
-        tied = tied_head(model)
-        return [*model.named_parameters(), *([tied] if tied is not None else [])]
-
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, self.dtype or p.dtype, tuple(p.shape)) for name, p in self._named()]
+        source = self.weights()
+        meta = [ParamMeta(m.name, self.dtype or m.dtype, m.shape) for m in source.metadata()]
+        if source.tied is not None:
+            head, embedding = source.tied
+            meta.append(next(ParamMeta(head, m.dtype, m.shape) for m in meta if m.name == embedding))
+        return meta
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self._named():
-            tensor = materialize_full_tensor(p.detach())
-            yield name, tensor if self.dtype is None else tensor.to(self.dtype)
+        source = self.weights()
+        tied = source.tied
+        head: torch.Tensor | None = None
+        for name, tensor in source:
+            tensor = tensor.detach() if self.dtype is None else tensor.detach().to(self.dtype)
+            if tied is not None and name == tied[1]:
+                head = tensor
+            yield name, tensor
+        if tied is not None and head is not None:
+            yield tied[0], head
 
 
-def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient, model: Callable[[], torch.nn.Module],
+def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient,
+                  weights: Callable[[], weight_source.WeightSource],
                   dtype: torch.dtype | None) -> TrainerWeightTransferEngine:
     """vLLM's trainer engine for `init.backend`, joined to vLLM's workers (this blocks in the rendezvous)."""
     info_type: type[NCCLTrainerInitInfo] = NCCLTrainerInitInfo
@@ -62,6 +69,6 @@ def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient, model: Callab
     info = info_type(master_address=init.master_address, master_port=init.master_port, world_size=init.world_size,
                      packed=init.packed, rank=init.rank, **packing)
     assert info.backend == init.backend, (info.backend, init.backend)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=LearnerWeights(model, dtype))
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=LearnerWeights(weights, dtype))
     assert isinstance(engine, NCCLTrainerWeightTransferEngine)  # the gloo stand-in is one too
     return engine

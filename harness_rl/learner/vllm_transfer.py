@@ -39,7 +39,8 @@ import msgspec
 import torch
 
 from harness_rl.background import BackgroundLoop
-from harness_rl.learner.weight_sync import EngineControl, WeightSyncError, free_port, lap
+from harness_rl.learner.weight_source import Sends, WeightSource
+from harness_rl.learner.weight_sync import EngineControl, Weights, WeightSyncError, free_port, lap, weight_source
 
 Backend = Literal["nccl", "gloo"]
 EXTRA = "pip install 'harness-rl[vllm]'"
@@ -51,7 +52,6 @@ VLLM_TRAINER_API: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm.distributed.weight_transfer.base": {
         "WeightSource": ("metadata", "__iter__"),
         "ParamMeta": ("name", "dtype", "shape"),
-        "materialize_full_tensor": (),
         "TrainerWeightTransferEngine": ("trainer_init", "send_weights", "shutdown"),
         "VLLMWeightSyncClient": ("init_weight_transfer_engine", "start_weight_update", "update_weights",
                                  "finish_weight_update"),
@@ -88,8 +88,8 @@ class TrainerEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-# (init, client, the model being pushed, the dtype to send) -> a joined trainer engine
-StartTrainer = Callable[[TrainerInit, "TransferClient", Callable[[], torch.nn.Module], torch.dtype | None],
+# (init, client, the weights of the push under way, the dtype to send) -> a joined trainer engine
+StartTrainer = Callable[[TrainerInit, "TransferClient", Callable[[], WeightSource], torch.dtype | None],
                         TrainerEngine]
 
 
@@ -146,6 +146,7 @@ class VllmTransferSync:
     replaces vLLM's trainer engine (tests of the control plane)."""
 
     keeps_requests = False  # pause(wait): running requests finish on the old weights first
+    sends: Sends = "weights"
 
     def __init__(self, base_url: str, loop: BackgroundLoop, *, backend: Backend = "nccl",
                  vllm_python: str | None = None, master_address: str | None = None, master_port: int | None = None,
@@ -167,7 +168,7 @@ class VllmTransferSync:
         self.start_trainer = start_trainer
         self.timings = TransferTimings()
         self._trainer: TrainerEngine | None = None
-        self._model: torch.nn.Module | None = None
+        self._weights: WeightSource | None = None
 
     def init(self) -> None:
         """Join the transfer group: vLLM's init call and this rank's rendezvous, at once."""
@@ -182,12 +183,14 @@ class VllmTransferSync:
                            master_port=self.master_port or free_port(self.master_address), world_size=world_size,
                            packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
                            packed_num_buffers=self.packed_num_buffers)
-        self._trainer = self._blocking(lambda: start(init, self.client, self._pushed_model, self.dtype),
+        self._trainer = self._blocking(lambda: start(init, self.client, self._pushed_weights, self.dtype),
                                        "init_weight_transfer_engine")
         self.timings.init = time.perf_counter() - started
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        self._model = model
+    def push(self, weights: Weights, version: int) -> None:
+        """The weights (one pass over them: vLLM's engine reads their metadata, then iterates them once while
+        it broadcasts) and the version, into vLLM."""
+        self._weights = weight_source(weights)
         if self._trainer is None:
             self.init()
         trainer = self._trainer
@@ -229,10 +232,10 @@ class VllmTransferSync:
             except Exception as error:  # noqa: BLE001 - a broken communicator may fail to close; it is dropped
                 print(f"harness-rl: closing the weight-transfer group failed: {error!r}", file=sys.stderr)
 
-    def _pushed_model(self) -> torch.nn.Module:
-        if self._model is None:
-            raise WeightSyncError("no model to send yet")
-        return self._model
+    def _pushed_weights(self) -> WeightSource:
+        if self._weights is None:
+            raise WeightSyncError("no weights to send yet")
+        return self._weights
 
     def _call(self, method: str, route: str, **kwargs: Any) -> Any:
         return self.loop.run(self.control.call(method, route, **kwargs))
