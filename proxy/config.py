@@ -79,6 +79,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fsync: Annotated[bool, _meta("fsync every captured turn (survives power loss, slower)")] = False
     tito: Annotated[bool, _meta("token in, token out: send an agent's earlier replies back to the engine as the "
                                 "ids it sampled (off: render every prompt from the messages)")] = True
+    splice_check_tokens: Annotated[AtLeastZero | None, _meta(
+        "a spliced turn renders only the messages after the agent's last reply; on about this many tokens of "
+        "conversation per turn, the whole conversation is rendered too and must agree (every turn of a "
+        "conversation this long, one in N of one N times longer; a disagreement renders that session whole from "
+        "then on); 0: never; none: every turn")] = 4096
     accept_images: Annotated[bool, _meta("forward image parts to the engine (only for models that take them)")] \
         = False
     default_max_turns: Annotated[AtLeastOne | None, _meta("step budget of a session that sets none",

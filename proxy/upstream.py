@@ -42,9 +42,9 @@ VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processe
              "--return-tokens-as-token-ids --generation-config vllm` (`harness-rl serve vllm` does)")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
-# Two one-message replies the template renders alike but for their text: what follows the text in
-# both is how the template closes an assistant turn (the end-of-turn token, then a separator).
-_PROBE = [{"role": "user", "content": "hi"}]
+# A one-message conversation. Two replies to it the template renders alike but for their text: what follows
+# the text in both is how the template closes an assistant turn (the end-of-turn token, then a separator).
+PROBE = msgspec.Raw(b'{"role":"user","content":"hi"}')
 _PROBE_REPLIES = ("A", "B")
 
 _ENCODER = msgspec.json.Encoder()
@@ -218,7 +218,7 @@ class EngineClient:
         """
         if self._closing is None:
             renders = await asyncio.gather(*(self.render(ChatRender(
-                messages=[msgspec.Raw(_ENCODER.encode(m)) for m in [*_PROBE, {"role": "assistant", "content": r}]],
+                messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
                 add_generation_prompt=False)) for r in _PROBE_REPLIES))
             a, b = (r.text.split(b",")[:-1] for r in renders)
             shared = 0

@@ -92,7 +92,7 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
     from proxy.config import ProxyConfig
 
     with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
-                                 retries=2)) as running:
+                                 retries=2, splice_check_tokens=None)) as running:  # every splice checked
         yield running
 
 

@@ -26,6 +26,8 @@ from aiohttp import web
 IM_START, IM_END, TOOL_CALL, DRIFT, THINK = 1, 2, 3, 4, 5
 ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 TOOLS_ID = 14
+TOOL_NUMBER = 1_100_000  # past every text id
+PROBE_MESSAGE = {"role": "user", "content": "hi"}  # what the proxy renders new messages behind (proxy.upstream.PROBE)
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -67,6 +69,7 @@ class FakeEngine:
     drift: bool = False
     drop_reasoning: bool = False  # like Qwen3: an assistant's reasoning is rendered only in the last message
     open_thinking: bool = False  # the generation prompt opens a thought the rendered replies do not hold
+    numbered_tools: bool = False  # like templates that number tool results across the whole conversation
     script: deque[Scripted] = field(default_factory=deque)
     requests: list[dict[str, Any]] = field(default_factory=list)  # generate bodies
     conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
@@ -94,8 +97,12 @@ class FakeEngine:
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]
+        tool_results = 0
         for index, m in enumerate(messages):
             out += [IM_START, ROLE_IDS.get(m.get("role"), 15)]
+            if m.get("role") == "tool" and self.numbered_tools:
+                out.append(TOOL_NUMBER + tool_results)
+                tool_results += 1
             if m.get("role") == "assistant":
                 out += [DRIFT] if self.drift else []
                 out += self.assistant_ids(m, reasoning=not self.drop_reasoning or index == len(messages) - 1)
@@ -132,6 +139,12 @@ class FakeEngine:
             finish, completion = "length", completion[:-1]
         self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message
         return message, completion, finish
+
+    @property
+    def whole_conversations(self) -> list[dict[str, Any]]:
+        """The render bodies of whole conversations (the proxy's renders of new messages alone, behind its one-message
+        probe conversation, left out)."""
+        return [body for body in self.conversations if body["messages"][:1] != [PROBE_MESSAGE]]
 
     # ---------------------------------------------------------------- HTTP
 
