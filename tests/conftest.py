@@ -76,12 +76,15 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.drift = False
     fake.drop_reasoning = False
     fake.open_thinking = False
+    fake.numbered_tools = False
     fake.token_delay_s = 0.0
     fake.stream_leak = None
     fake.usage_offset = 0
     fake.break_after = None
     fake.aborted.clear()
     fake.derender_steps.clear()
+    fake.stream_fail_after = None
+    fake.whole_derenders = 0
     return fake
 
 

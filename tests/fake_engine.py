@@ -80,6 +80,8 @@ class FakeEngine:
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
+    stream_fail_after: int | None = None  # streaming derender: fail every call after this many
+    whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
     _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
@@ -249,17 +251,24 @@ class FakeEngine:
         return response
 
     async def _derender_step(self, body: dict[str, Any]) -> web.Response:
-        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token)."""
-        ids = body["generate_chunk"]["choices"][0]["token_ids"]
+        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token);
+        the finishing step adds the tool calls, whole."""
+        choice = body["generate_chunk"]["choices"][0]
+        ids = choice["token_ids"]
         self.derender_steps.append(ids)
+        if self.stream_fail_after is not None and len(self.derender_steps) > self.stream_fail_after:
+            return web.Response(status=400, content_type="application/json",
+                                body=_ENCODER.encode({"error": {"message": "scripted derender failure"}}))
         message = self._streamed[tuple(body["prompt_token_ids"])]["message"]
         before = (body.get("stream_state") or {}).get("count", 0)
         (r0, c0), (r1, c1) = self._text(message, before), self._text(message, before + len(ids))
         delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
         if self.stream_leak and delta["content"]:
             delta["content"] += self.stream_leak
+        if choice.get("finish_reason") and message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         chunk = {"id": "chatcmpl-derendered", "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason")}]}
         return web.Response(body=_ENCODER.encode({"chunk": chunk, "stream_state": {"count": before + len(ids)}}),
                             content_type="application/json")
 
@@ -281,6 +290,7 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if body.get("stream"):
             return await self._derender_step(body)
+        self.whole_derenders += 1
         choice = body["generate_response"]["choices"][0]
         message = self._sampled.get(tuple(choice["token_ids"])) or self._cut_short(choice["token_ids"])
         if message is None:
