@@ -84,6 +84,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "conversation per turn, the whole conversation is rendered too and must agree (every turn of a "
         "conversation this long, one in N of one N times longer; a disagreement renders that session whole from "
         "then on); 0: never; none: every turn")] = 4096
+    local_render: Annotated[str | None, _meta(
+        "render prompts in the proxy with the served model's tokenizer.json and chat template from this directory "
+        "(one engine round trip fewer per call; checked against the engine's rendering as splices are, and "
+        "turned off at the first disagreement); 'auto': the engine's own model directory when this machine can "
+        "read it; none: the engine renders every prompt")] = "auto"
     accept_images: Annotated[bool, _meta("forward image parts to the engine (only for models that take them)")] \
         = False
     default_max_turns: Annotated[AtLeastOne | None, _meta("step budget of a session that sets none",

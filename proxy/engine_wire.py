@@ -201,6 +201,7 @@ class ModelCard(msgspec.Struct):
     id: str = ""
     max_model_len: int | None = None
     vocab_size: int | None = None
+    root: str | None = None  # vLLM: the model's path (where its tokenizer and chat template are)
 
 
 class ModelList(msgspec.Struct):

@@ -82,7 +82,8 @@ class CapturePipeline:
         self.config = config
         self.engine = engine
         self.gate = Gate()
-        self.prompts = PromptMaker(engine, tito=config.tito, check_tokens=config.splice_check_tokens)
+        self.prompts = PromptMaker(engine, tito=config.tito, check_tokens=config.splice_check_tokens,
+                                   local_render=config.local_render)
         self.announced_version: int | None = None  # the learner's latest, for engines that do not stamp replies
 
     async def capture(self, session: Session, call: ChatCall, harness: dict[str, str],

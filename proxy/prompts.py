@@ -21,6 +21,8 @@ from, so a trace is exact either way; the check keeps the prompt what the templa
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 
 import msgspec
 
@@ -28,10 +30,13 @@ from harness_rl.trace import PrefixBreak, PromptSource
 from proxy.capture import SEP, token_text
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
+from proxy.local_render import LocalRendering, LocalTemplate, LocalTemplateError
 from proxy.session import Session
 from proxy.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
 from proxy.upstream import PROBE, ChatRender, EngineClient, Rendered
 
+log = logging.getLogger(__name__)
+AUTO = "auto"
 MAX_HEADS = 256  # probe renderings kept, one per distinct tool set and template arguments
 _ENCODER = msgspec.json.Encoder()
 
@@ -50,51 +55,77 @@ class Prompt(msgspec.Struct, frozen=True):
 
 
 class PromptMaker:
-    """Makes each call's prompt ids with the engine's render route (see the module's docstring)."""
+    """Makes each call's prompt ids (see the module's docstring); with `local`, renders in the proxy where it can."""
 
-    def __init__(self, engine: EngineClient, *, tito: bool, check_tokens: int | None) -> None:
+    def __init__(self, engine: EngineClient, *, tito: bool, check_tokens: int | None,
+                 local_render: str | None = None) -> None:
         self.engine = engine
         self.tito = tito
         self.check_tokens = check_tokens
-        self._heads: dict[bytes, Rendered] = {}
+        self.local_render = local_render  # a model directory, "auto" (the engine's, if readable here) or None
+        self.local: LocalRendering | None = None
+        self._heads: dict[tuple[bool, bytes], Rendered] = {}
 
     async def make(self, session: Session, call: ChatCall, conversation: ChatRender, message_digests: bytes,
                    tools_digest: int | None) -> Prompt:
         continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
             if self.tito else None
         if continued is None:
-            full = await self.engine.render(conversation)
+            full, mismatch = await self._rendered_whole(session, conversation)
             reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
                                    session.graph.sequence, self.tito)
-            return Prompt(full, "rendered", reason, rendered=fingerprint(full.text))
+            return Prompt(full, "rendered", reason, rendered=fingerprint(full.text), render_mismatch=mismatch)
         node_id, reply_at = continued
         closing = await self.engine.closing()
         if closing is None:
             return await self._unspliced(session, node_id, conversation)
-        end_of_turn, separator = closing
-        marker = token_text([end_of_turn]) + separator
+        marker = token_text([closing[0]]) + closing[1]
         earlier = session.graph.sequence(node_id)
         replies = session.replies
         if not replies.renders_suffix:
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE)
-        whole_tokens = session.graph.nodes[node_id].tokens
-        check = replies.check_due(whole_tokens, self.check_tokens)
-        (tail, why), whole = await asyncio.gather(self._suffix_tail(conversation, reply_at, marker),
+        local = await self._local_ready()
+        check = replies.check_due(session.graph.nodes[node_id].tokens, self.check_tokens) or (
+            local and self.local is not None and self.local.warming)
+        (tail, why), whole = await asyncio.gather(self._suffix_tail(conversation, reply_at, marker, local),
                                                   self._render_if(check, conversation))
         if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
             why = _mismatch(whole.text, tail)
+        if why is not None and local:  # the proxy's own rendering may be what differs: ask the engine, then blame
+            self._local_disagrees(why)
+            (tail, why) = await self._suffix_tail(conversation, reply_at, marker, False)
+            if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
+                why = _mismatch(whole.text, tail)
         if why is not None or tail is None:
             replies.renders_suffix = False
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE, why, whole)
+        if local and whole is not None and self.local is not None:
+            self.local.checked += 1
         return _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
                         rendered=fingerprint(whole.text) if whole is not None else None)
 
-    async def _suffix_tail(self, conversation: ChatRender, reply_at: int, marker: bytes) -> tuple[bytes | None,
-                                                                                                   str | None]:
+    async def _rendered_whole(self, session: Session, conversation: ChatRender) -> tuple[Rendered, str | None]:
+        """The whole conversation's prompt ids, rendered here when the proxy can (checked as a splice would be)."""
+        local = self.local.render(conversation) if self.local is not None and await self._local_ready() else None
+        if local is None:
+            return await self.engine.render(conversation), None
+        assert self.local is not None
+        if not self.local.check_due():
+            return local, None
+        full = await self.engine.render(conversation)
+        if full.text == local.text:
+            self.local.checked += 1
+            return local, None
+        mismatch = _mismatch(full.text, local.text)
+        self._local_disagrees(mismatch)
+        return full, f"rendered in the proxy: {mismatch}"
+
+    async def _suffix_tail(self, conversation: ChatRender, reply_at: int, marker: bytes,
+                           local: bool) -> tuple[bytes | None, str | None]:
         """The rendering of the messages after the reply at `reply_at`, rendered alone; or None and why not."""
         suffix = msgspec.structs.replace(conversation, messages=[PROBE, *conversation.messages[reply_at:]])
         try:
-            head, rendered = await asyncio.gather(self._head(conversation), self.engine.render(suffix))
+            head, rendered = await asyncio.gather(self._head(conversation, local), self._render(suffix, local))
         except ProxyError as exc:
             if exc.status >= 500:
                 raise
@@ -106,20 +137,50 @@ class PromptMaker:
             return None, "the reply rendered alone has no closing"
         return rendered.text[at + len(marker):], None
 
+    async def _render(self, request: ChatRender, local: bool) -> Rendered:
+        """Rendered in the proxy when asked and it can, else by the engine."""
+        rendered = self.local.render(request) if local and self.local is not None else None
+        return rendered if rendered is not None else await self.engine.render(request)
+
     async def _render_if(self, wanted: bool, conversation: ChatRender) -> Rendered | None:
         return await self.engine.render(conversation) if wanted else None
 
-    async def _head(self, conversation: ChatRender) -> Rendered:
+    async def _head(self, conversation: ChatRender, local: bool) -> Rendered:
         """The probe's rendering with this call's tools and template arguments (learned once per set)."""
-        key = _ENCODER.encode(msgspec.structs.replace(conversation, messages=[]))
+        key = (local, _ENCODER.encode(msgspec.structs.replace(conversation, messages=[])))
         head = self._heads.get(key)
         if head is None:
-            head = await self.engine.render(msgspec.structs.replace(conversation, messages=[PROBE],
-                                                                    add_generation_prompt=False))
+            head = await self._render(msgspec.structs.replace(conversation, messages=[PROBE],
+                                                              add_generation_prompt=False), local)
             if len(self._heads) >= MAX_HEADS:
                 self._heads.clear()
             self._heads[key] = head
         return head
+
+    async def _local_ready(self) -> bool:
+        if self.local_render is not None and self.local is None:
+            self.local = await self._load_local(self.local_render)
+            self.local_render = None
+        return self.local is not None and await self.local.ready()
+
+    async def _load_local(self, source: str) -> LocalRendering | None:
+        """The tokenizer and template to render with: `source`, or with "auto" the engine's model directory."""
+        if source == AUTO:
+            await self.engine.served_model()
+            if not self.engine.model_root or not Path(self.engine.model_root, "tokenizer.json").is_file():
+                return None
+            source = self.engine.model_root
+        try:
+            template = LocalTemplate.load(source)
+        except (LocalTemplateError, OSError, ValueError) as exc:
+            log.warning("prompts are rendered by the engine, not in the proxy: %s", exc)
+            return None
+        log.info("prompts are rendered in the proxy with %s's tokenizer and chat template", source)
+        return LocalRendering(template, self.engine)
+
+    def _local_disagrees(self, why: str) -> None:
+        if self.local is not None:
+            self.local.turn_off(f"its rendering differs from the engine's: {why}")
 
     async def _whole(self, session: Session, node_id: str, reply_at: int, conversation: ChatRender, earlier: bytes,
                      closing: tuple[int, bytes], note: str, mismatch: str | None = None,

@@ -105,16 +105,18 @@ class ReplyIndex:
         self.calls: dict[str, Remembered] = {}
         self._by_request: dict[bytes, list[str]] = {}
         self.renders_suffix = True
-        self._check_credit = 0
+        self._check_credit: int | None = None  # None: nothing checked yet
 
     def check_due(self, tokens: int, budget: int | None) -> bool:
         """Whether this turn's suffix rendering is checked against the whole conversation of `tokens` tokens:
-        every turn while the conversation is at most `budget` tokens long, every N-th when N times longer (so the
-        checks cost about `budget` tokens a turn, however long the conversation grows); `None`: every turn."""
+        the first, then every turn while the conversation is at most `budget` tokens long, every N-th when N
+        times longer (so the checks cost about `budget` tokens a turn, however long the conversation grows);
+        `None`: every turn, 0: never."""
         if budget is None:
             return True
-        self._check_credit = min(self._check_credit + budget, tokens)
-        if budget and self._check_credit >= tokens:
+        credit = tokens if self._check_credit is None else min(self._check_credit + budget, tokens)
+        self._check_credit = credit
+        if budget and credit >= tokens:
             self._check_credit = 0
             return True
         return False

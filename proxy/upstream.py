@@ -113,6 +113,7 @@ class EngineClient:
         self.max_reply_bytes = max_reply_bytes
         self.vocab_size = vocab_size
         self.max_model_len: int | None = None
+        self.model_root: str | None = None
         self._described = False
         self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -143,6 +144,7 @@ class EngineClient:
                 self._described = True
                 self.model = self.model or card.id
                 self.max_model_len = card.max_model_len
+                self.model_root = card.root
                 self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 

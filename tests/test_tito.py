@@ -238,5 +238,7 @@ def test_checks_cost_about_the_budget_per_turn_however_long_the_conversation_gro
     index = ReplyIndex()
     due = [index.check_due(tokens, 1000) for tokens in [500] * 3 + [4000] * 8]
     assert due == [True] * 3 + [False, False, False, True] * 2
+    later = ReplyIndex()  # the first splice is checked however long the conversation already is
+    assert [later.check_due(4000, 1000) for _ in range(5)] == [True, False, False, False, True]
     assert not any(ReplyIndex().check_due(100, 0) for _ in range(5))  # 0: never
     assert all(ReplyIndex().check_due(10**6, None) for _ in range(5))  # None: always
