@@ -106,7 +106,7 @@ class PromptMaker:
 
     async def _rendered_whole(self, session: Session, conversation: ChatRender) -> tuple[Rendered, str | None]:
         """The whole conversation's prompt ids, rendered here when the proxy can (checked as a splice would be)."""
-        local = self.local.render(conversation) if self.local is not None and await self._local_ready() else None
+        local = self.local.render(conversation) if await self._local_ready() and self.local is not None else None
         if local is None:
             return await self.engine.render(conversation), None
         assert self.local is not None

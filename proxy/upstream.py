@@ -45,8 +45,6 @@ MAX_RETRY_AFTER_S = 30.0
 # A one-message conversation. Two replies to it the template renders alike but for their text: what follows
 # the text in both is how the template closes an assistant turn (the end-of-turn token, then a separator).
 PROBE = msgspec.Raw(b'{"role":"user","content":"hi"}')
-_PROBE_REPLIES = ("A", "B")
-
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -221,7 +219,7 @@ class EngineClient:
         if self._closing is None:
             renders = await asyncio.gather(*(self.render(ChatRender(
                 messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
-                add_generation_prompt=False)) for r in _PROBE_REPLIES))
+                add_generation_prompt=False)) for r in "AB"))
             a, b = (r.text.split(b",")[:-1] for r in renders)
             shared = 0
             while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:

@@ -15,7 +15,7 @@ import contextlib
 import json
 import threading
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +80,12 @@ class FakeEngine:
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
+    model_dir: str | None = None  # render with this model's tokenizer and chat template (as vLLM would), and say so
+    routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
+    _loaded_tokenizer: Any = None
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
     _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
 
@@ -96,6 +99,10 @@ class FakeEngine:
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
                add_generation_prompt: bool = True) -> list[int]:
+        if self.model_dir is not None:
+            from harness_rl.engine.chat_render import render_chat
+
+            return render_chat(self._tokenizer(), messages, tools=tools, add_generation_prompt=add_generation_prompt)
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]
@@ -142,6 +149,13 @@ class FakeEngine:
         self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message
         return message, completion, finish
 
+    def _tokenizer(self) -> Any:
+        if self._loaded_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._loaded_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._loaded_tokenizer
+
     @property
     def whole_conversations(self) -> list[dict[str, Any]]:
         """The render bodies of whole conversations (the proxy's renders of new messages alone, behind its one-message
@@ -151,13 +165,14 @@ class FakeEngine:
     # ---------------------------------------------------------------- HTTP
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 2**20)
+        app = web.Application(client_max_size=256 * 2**20, middlewares=[self._count])
         app.router.add_post("/v1/chat/completions", self._chat)  # for the direct baseline and OpenEnv's proxy
         app.router.add_post("/v1/chat/completions/render", self._render)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/stats", self._stats)
         return app
 
     def _headers(self) -> dict[str, str]:
@@ -306,9 +321,17 @@ class FakeEngine:
         return web.Response(body=_ENCODER.encode({"count": len(ids), "max_model_len": 1 << 20, "tokens": ids}),
                             content_type="application/json")
 
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.routes[request.path] += 1
+        return await handler(request)
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.Response(body=b'{"object":"list","data":[{"id":"fake","object":"model"}]}',
-                            content_type="application/json")
+        card = {"id": "fake", "object": "model", **({"root": self.model_dir} if self.model_dir else {})}
+        return web.Response(body=_ENCODER.encode({"object": "list", "data": [card]}), content_type="application/json")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.Response(body=_ENCODER.encode(dict(self.routes)), content_type="application/json")
 
 
 def _prefix(text: str, tokens: int) -> str:
@@ -354,10 +377,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--model-dir", help="render with this model's tokenizer and chat template")
     args = parser.parse_args()
 
     async def serve() -> None:
-        runner, url = await start_fake_engine(FakeEngine(keep_requests=False), port=args.port)
+        runner, url = await start_fake_engine(FakeEngine(keep_requests=False, model_dir=args.model_dir),
+                                              port=args.port)
         print(url, flush=True)
         await asyncio.Event().wait()
 
