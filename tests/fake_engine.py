@@ -85,7 +85,7 @@ class FakeEngine:
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
-    _loaded_tokenizer: Any = None
+    _template: Any = None
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
     _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
 
@@ -100,9 +100,7 @@ class FakeEngine:
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
                add_generation_prompt: bool = True) -> list[int]:
         if self.model_dir is not None:
-            from harness_rl.engine.chat_render import render_chat
-
-            return render_chat(self._tokenizer(), messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            return self._model_render(messages, tools, add_generation_prompt)
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]
@@ -149,12 +147,23 @@ class FakeEngine:
         self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message
         return message, completion, finish
 
-    def _tokenizer(self) -> Any:
-        if self._loaded_tokenizer is None:
-            from transformers import AutoTokenizer
+    def _model_render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+                      add_generation_prompt: bool) -> list[int]:
+        """The model's own template and tokenizer, shaped as vLLM shapes messages (the proxy's local renderer, which
+        is checked against vLLM elsewhere: here it only has to be fast and deterministic)."""
+        from proxy.capture import token_ids
+        from proxy.local_render import LocalTemplate
+        from proxy.upstream import ChatRender
 
-            self._loaded_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        return self._loaded_tokenizer
+        if self._template is None:
+            self._template = LocalTemplate.load(str(self.model_dir))
+        request = ChatRender(messages=[msgspec.Raw(_ENCODER.encode(m)) for m in messages],
+                             tools=msgspec.Raw(_ENCODER.encode(tools)) if tools else None,
+                             add_generation_prompt=add_generation_prompt)
+        rendered = self._template.render(request, "string")
+        if rendered is None:
+            raise ValueError("the model's template declined these messages")
+        return token_ids(rendered.text)
 
     @property
     def whole_conversations(self) -> list[dict[str, Any]]:
@@ -178,11 +187,13 @@ class FakeEngine:
     def _headers(self) -> dict[str, str]:
         return {"x-policy-version": str(self.version)} if self.version is not None else {}
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
         scripted = self.script.popleft() if self.script else None
         prompt = self.render(body["messages"], body.get("tools"))
         message, completion, finish = self.sample(prompt, scripted)
+        if body.get("stream"):
+            return await self._chat_stream(request, message, completion, finish)
         choice: dict[str, Any] = {"index": 0, "message": message, "stop_reason": None,
                                   "finish_reason": "tool_calls" if message.get("tool_calls") else finish}
         reply: dict[str, Any] = {"id": f"chatcmpl-{len(prompt)}", "object": "chat.completion", "created": 1,
@@ -196,6 +207,25 @@ class FakeEngine:
             choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": logprob_of(t), "bytes": None,
                                                "top_logprobs": []} for t in completion]}
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers())
+
+    async def _chat_stream(self, request: web.Request, message: dict[str, Any], completion: list[int],
+                           finish: str) -> web.StreamResponse:
+        """The chat route streaming (the direct baseline of streaming agents): a chunk per sampled token."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sent = ""
+        for count in range(1, len(completion) + 1):
+            _, content = self._text(message, count)
+            last = count == len(completion)
+            delta: dict[str, Any] = {"content": content[len(sent):]} if content[len(sent):] else {}
+            if last and message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            sent = content
+            chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish if last else None}]}
+            await response.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
 
     async def _render(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
