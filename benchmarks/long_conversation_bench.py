@@ -240,10 +240,10 @@ def report(paths: list[Route], renders: dict[int, dict[str, float]], loads: dict
           f"{(last['suffix_local'] + last['checks']) / (first['suffix_local'] + first['checks']):.2f}x")
     for path, trace in zip(paths[1:], traces, strict=True):
         turns = trace["turns"]
-        notes = [t.get("metadata", {}).get("splice_render") for t in turns]
+        notes = [t.get("metadata", {}).get("render") for t in turns]
         print(f"{path.name}: {sum(t['prompt_source'] == 'spliced' for t in turns)}/{len(turns)} turns spliced, "
               f"{notes.count('suffix, checked')} checked against the whole rendering, "
-              f"{sum(1 for t in turns if t.get('metadata', {}).get('splice_render_mismatch'))} disagreements")
+              f"{sum(1 for t in turns if t.get('metadata', {}).get('render_mismatch'))} disagreements")
 
 
 if __name__ == "__main__":

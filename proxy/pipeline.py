@@ -135,14 +135,15 @@ class CapturePipeline:
                                     "harness": harness, "engine_attempts": sample.attempts}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
-        if prepared.prompt.render_note is not None:
-            metadata["splice_render"] = prepared.prompt.render_note
-        if prepared.prompt.render_mismatch is not None:
-            metadata["splice_render_mismatch"] = prepared.prompt.render_mismatch
+        prompt = prepared.prompt
+        metadata["rendered_by"] = prompt.rendered_by
+        if prompt.render_note is not None:
+            metadata["render"] = prompt.render_note
+        if prompt.render_mismatch is not None:
+            metadata["render_mismatch"] = prompt.render_mismatch
         spans = _version_spans(sample.spans, prepared.version_at_start)
         version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
             else self.announced_version
-        prompt = prepared.prompt
         node_id = session.record(TurnCapture(
             prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
             messages=prepared.messages, message_digests=prepared.message_digests, tools=prepared.tools, reply=reply,

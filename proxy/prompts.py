@@ -16,6 +16,11 @@ the suffix's tail must be where the whole rendering ends. A difference, or a suf
 render, makes that turn use the whole rendering, records why on the turn (`render_note`), and the
 session renders whole from then on. Whatever was rendered, the turn records the ids that were sampled
 from, so a trace is exact either way; the check keeps the prompt what the template would make.
+
+With the model's tokenizer and template at hand (`proxy.local_render`), renders are made in the proxy
+instead, the engine's rendering of the whole conversation serving as the check; when they disagree, the
+proxy's renderer is turned off and the engine renders the new messages again before the template is
+blamed.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class Prompt(msgspec.Struct, frozen=True):
     prefix_break: PrefixBreak | None = None
     rendered: tuple[int, int] | None = None  # `tito.fingerprint` of the whole conversation's rendering, if made
     render_note: str | None = None  # how a spliced prompt's new messages were rendered (SUFFIX, CHECKED, WHOLE)
-    render_mismatch: str | None = None  # why a suffix rendering was not used
+    render_mismatch: str | None = None  # why a rendering made alone, or in the proxy, was not used
+    rendered_by: str = "engine"  # or "proxy"
 
 
 class PromptMaker:
@@ -71,10 +77,11 @@ class PromptMaker:
         continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
             if self.tito else None
         if continued is None:
-            full, mismatch = await self._rendered_whole(session, conversation)
+            full, mismatch, by = await self._rendered_whole(conversation)
             reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
                                    session.graph.sequence, self.tito)
-            return Prompt(full, "rendered", reason, rendered=fingerprint(full.text), render_mismatch=mismatch)
+            return Prompt(full, "rendered", reason, rendered=fingerprint(full.text), render_mismatch=mismatch,
+                          rendered_by=by)
         node_id, reply_at = continued
         closing = await self.engine.closing()
         if closing is None:
@@ -93,6 +100,7 @@ class PromptMaker:
             why = _mismatch(whole.text, tail)
         if why is not None and local:  # the proxy's own rendering may be what differs: ask the engine, then blame
             self._local_disagrees(why)
+            local = False
             (tail, why) = await self._suffix_tail(conversation, reply_at, marker, False)
             if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
                 why = _mismatch(whole.text, tail)
@@ -101,24 +109,27 @@ class PromptMaker:
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE, why, whole)
         if local and whole is not None and self.local is not None:
             self.local.checked += 1
-        return _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
-                        rendered=fingerprint(whole.text) if whole is not None else None)
+        prompt = _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
+                          rendered=fingerprint(whole.text) if whole is not None else None)
+        return msgspec.structs.replace(prompt, rendered_by="proxy" if local else "engine")
 
-    async def _rendered_whole(self, session: Session, conversation: ChatRender) -> tuple[Rendered, str | None]:
-        """The whole conversation's prompt ids, rendered here when the proxy can (checked as a splice would be)."""
+    async def _rendered_whole(self, conversation: ChatRender) -> tuple[Rendered, str | None, str]:
+        """The whole conversation's prompt ids, rendered here when the proxy can (and checked against the engine's
+        as `LocalRendering.check_due` says; the engine's when they differ)."""
         local = self.local.render(conversation) if await self._local_ready() and self.local is not None else None
         if local is None:
-            return await self.engine.render(conversation), None
+            return await self.engine.render(conversation), None, "engine"
         assert self.local is not None
         if not self.local.check_due():
-            return local, None
+            return local, None, "proxy"
         full = await self.engine.render(conversation)
         if full.text == local.text:
             self.local.checked += 1
-            return local, None
-        mismatch = _mismatch(full.text, local.text)
+            return local, None, "proxy"
+        mismatch = (f"rendered in the proxy ({local.count} tokens), the conversation differs from the engine's "
+                    f"rendering ({full.count} tokens) after {common_tokens(full.text, local.text)} tokens")
         self._local_disagrees(mismatch)
-        return full, f"rendered in the proxy: {mismatch}"
+        return full, mismatch, "engine"
 
     async def _suffix_tail(self, conversation: ChatRender, reply_at: int, marker: bytes,
                            local: bool) -> tuple[bytes | None, str | None]:

@@ -82,6 +82,7 @@ class FakeEngine:
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     model_dir: str | None = None  # render with this model's tokenizer and chat template (as vLLM would), and say so
     routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
+    render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -100,7 +101,7 @@ class FakeEngine:
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
                add_generation_prompt: bool = True) -> list[int]:
         if self.model_dir is not None:
-            return self._model_render(messages, tools, add_generation_prompt)
+            return self._model_render(messages, tools, add_generation_prompt) + self.render_extra
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 from fake_engine import FakeEngine, run_fake_engine
-from proxy_agent import TOOLS
+from proxy_agent import TOOLS, Agent
 
 from harness_rl.background import serve_proxy
 from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
@@ -137,3 +137,21 @@ def test_with_the_models_files_at_hand_a_call_is_generate_and_derender(model_eng
         whole = fake.render(child.request.messages, child.request.tools)
         new = len(child.prompt_token_ids) - len(parent.sequence)
         assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
+
+
+def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[FakeEngine, str],
+                                                            tmp_path: Path) -> None:
+    fake, url = model_engine
+    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path))) as proxy:
+        agent = Agent(proxy)
+        assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
+        fake.render_extra = [7]  # the server's template changed under the proxy
+        assert agent.chat([{"role": "user", "content": "two"}]).status_code == 200
+        renders = fake.routes["/v1/chat/completions/render"]
+        assert agent.chat([{"role": "user", "content": "three"}]).status_code == 200
+        renders = fake.routes["/v1/chat/completions/render"] - renders
+        one, two, three = agent.trace().turns
+    assert one.metadata["rendered_by"] == "proxy" and "render_mismatch" not in one.metadata
+    assert two.metadata["rendered_by"] == "engine" and "differs from the engine's" in two.metadata["render_mismatch"]
+    assert two.prompt_token_ids == fake.render(two.request.messages, None)  # the engine's ids, its extra one too
+    assert three.metadata["rendered_by"] == "engine" and renders == 1  # rendered by the engine from then on

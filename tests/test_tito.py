@@ -49,7 +49,7 @@ def assert_one_chain(trace: TrainingTrace, fake: FakeEngine) -> None:
         whole = fake.render(child.request.messages, child.request.tools)
         assert child.prompt_token_ids[len(parent.sequence):] == whole[-len(child.prompt_token_ids)
                                                                       + len(parent.sequence):]
-        assert child.metadata["splice_render"] == "suffix, checked"
+        assert child.metadata["render"] == "suffix, checked"
 
 
 @pytest.mark.parametrize("drift", [False, True])
@@ -203,7 +203,7 @@ def test_a_spliced_turn_renders_only_the_reply_and_the_messages_after_it(fake_en
         converse(agent, fake_engine, 6)
         turns = agent.trace().validate().turns
     assert [t.prompt_source for t in turns] == ["rendered"] + ["spliced"] * 5
-    assert [t.metadata.get("splice_render") for t in turns] == [None] + ["suffix"] * 5  # never checked
+    assert [t.metadata.get("render") for t in turns] == [None] + ["suffix"] * 5  # never checked
     for parent, child in zip(turns, turns[1:], strict=False):  # the same ids as the whole rendering's tail
         whole = fake_engine.render(child.request.messages, child.request.tools)
         new = len(child.prompt_token_ids) - len(parent.sequence)
@@ -229,9 +229,9 @@ def test_a_template_that_renders_a_message_by_its_place_is_caught_and_the_sessio
         new = len(child.prompt_token_ids) - len(parent.sequence)
         assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
     # the second tool result alone renders as the first: seen at the check on turn 3, rendered whole from then on
-    assert [t.metadata.get("splice_render") for t in turns] == [None, "suffix, checked", "whole", "whole"]
-    assert "differ from the end of the whole conversation" in turns[2].metadata["splice_render_mismatch"]
-    assert "splice_render_mismatch" not in turns[3].metadata
+    assert [t.metadata.get("render") for t in turns] == [None, "suffix, checked", "whole", "whole"]
+    assert "differ from the end of the whole conversation" in turns[2].metadata["render_mismatch"]
+    assert "render_mismatch" not in turns[3].metadata
 
 
 def test_checks_cost_about_the_budget_per_turn_however_long_the_conversation_grows() -> None:

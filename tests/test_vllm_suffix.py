@@ -49,7 +49,7 @@ def test_every_spliced_turn_rendered_alone_is_the_end_of_vllms_whole_rendering(
         local = proxy.proxy.pipeline.prompts.local
     turns = trace.turns
     assert [t.prompt_source for t in turns] == ["rendered"] + ["spliced"] * 7
-    assert [t.metadata.get("splice_render") for t in turns[1:]] == ["suffix, checked"] * 7
+    assert [t.metadata.get("render") for t in turns[1:]] == ["suffix, checked"] * 7
     for parent, child in zip(turns, turns[1:], strict=False):  # checked here too, against vLLM itself
         assert child.parent_id == parent.node_id and child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
         whole = vllm_post(vllm_server.url, "/v1/chat/completions/render",
