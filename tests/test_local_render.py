@@ -155,3 +155,22 @@ def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[F
     assert two.metadata["rendered_by"] == "engine" and "differs from the engine's" in two.metadata["render_mismatch"]
     assert two.prompt_token_ids == fake.render(two.request.messages, None)  # the engine's ids, its extra one too
     assert three.metadata["rendered_by"] == "engine" and renders == 1  # rendered by the engine from then on
+
+
+def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    script = "\n".join([
+        "import sys, msgspec",
+        "from proxy.local_render import LocalTemplate",
+        "from proxy.upstream import ChatRender",
+        f"template = LocalTemplate.load({str(loaded_dir)!r})",
+        "messages = [msgspec.Raw(msgspec.json.encode({'role': 'user', 'content': 'hi'}))]",
+        "rendered = template.render(ChatRender(messages=messages, add_generation_prompt=True), 'openai')",
+        "assert rendered is not None and rendered.count > 3",
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
