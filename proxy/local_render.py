@@ -111,8 +111,10 @@ class LocalTemplate:
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         if name not in self._compiled:
             return None
-        arguments = {key: value for key, value in (request.chat_template_kwargs or {}).items()
-                     if key in self._variables[name] or key in TEMPLATE_ARGUMENTS}
+        given = request.chat_template_kwargs or {}
+        if TEMPLATE_ARGUMENTS & given.keys():  # what vLLM hands to transformers, not to the template
+            return None
+        arguments = {key: value for key, value in given.items() if key in self._variables[name]}
         try:
             text = self._compiled[name].render(**{**self.special_tokens, **arguments, "messages": messages,
                                                   "tools": tools, "documents": None,
