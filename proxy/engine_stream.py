@@ -11,15 +11,17 @@ carries the finish, so the parsers flush what they held back, and the reads toge
 content, reasoning and tool calls, as vLLM's chat route reads a streamed answer (its streaming parsers),
 with no read of the whole answer after it. vLLM carries no parser state between reads, so each read
 replays the answer so far: ids that arrive while a read is under way wait and go together in the next
-one, and reads are spaced by `interval_s` and by four times the last read's duration, which keeps the
-replays to a fifth of the engine's time however long the answer grows. Text that could still be the
-start of a stop string is held back, as vLLM's detokenizer holds it: the agent never sees what the final
-answer leaves out.
+one; the first read waits `interval_s` after the first ids (an answer sampled faster than that is read
+once, with its finish), and later reads are spaced by `interval_s` and by four times the last read's
+duration, which keeps the replays to a fifth of the engine's time however long the answer grows. Text
+that could still be the start of a stop string is held back, as vLLM's detokenizer holds it: the agent
+never sees what the final answer leaves out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
@@ -179,6 +181,7 @@ class TextReader:
         self._state = NULL
         self._pending: list[int] = []
         self._finish: str | None = None
+        self._finished = asyncio.Event()
         self._more = asyncio.Event()
 
     def feed(self, ids: list[int]) -> None:
@@ -190,17 +193,20 @@ class TextReader:
         """The sample's last ids (a trailing stop token left out, as the chat route leaves it out of the text)."""
         self._pending += ids
         self._finish = finish_reason
+        self._finished.set()
         self._more.set()
 
     async def run(self) -> bool:
         """Read until the finish is read (True) or a read fails (False: the reading stops there, and the answer
         is read whole instead)."""
         loop = asyncio.get_running_loop()
-        next_at = 0.0
+        next_at: float | None = None
         while True:
             await self._more.wait()
-            if self._finish is None:
-                await asyncio.sleep(max(0.0, next_at - loop.time()))
+            if next_at is None:  # the first read waits `interval_s` too: an answer sampled faster is read once
+                next_at = loop.time() + self.interval_s
+            with contextlib.suppress(TimeoutError):  # the finish is read at once
+                await asyncio.wait_for(self._finished.wait(), max(0.0, next_at - loop.time()))
             self._more.clear()
             ids, self._pending, finish = self._pending, [], self._finish
             began = loop.time()

@@ -85,6 +85,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.derender_steps.clear()
     fake.stream_fail_after = None
     fake.whole_derenders = 0
+    fake.routes.clear()
     return fake
 
 

@@ -111,6 +111,16 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
 
 
+def test_an_answer_sampled_faster_than_the_read_interval_is_read_once(fake_proxy: RunningProxy,
+                                                                      fake_engine: FakeEngine) -> None:
+    agent = Agent(fake_proxy)
+    fake_engine.script.append(Scripted(content="A short answer."))
+    blocks, _ = stream(*_request("openai_chat", agent, "talk"))
+    assert "".join(_openai(block) for _, block in blocks) == "A short answer."
+    assert len(fake_engine.derender_steps) == 1 and fake_engine.whole_derenders == 0  # one read, with the finish
+    assert fake_engine.routes["/inference/v1/generate"] == 1
+
+
 def test_a_streamed_tool_call_sent_back_as_received_splices(fake_proxy: RunningProxy,
                                                            fake_engine: FakeEngine) -> None:
     agent = Agent(fake_proxy)
