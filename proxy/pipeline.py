@@ -1,7 +1,7 @@
 """The capture pipeline: one agent call from admission to a durably recorded turn and its `Answer`.
 
 hold while the learner syncs weights → apply the sampling policy → make the prompt ids (spliced onto
-the earlier turn the agent continues, else rendered: `proxy.tito`) → sample from them (`generate`)
+the earlier turn the agent continues, else rendered: `proxy.prompts`) → sample from them (`generate`)
 → check ids, logprobs and usage → read the answer with the engine's own parsers (`derender`) →
 append the turn to the session's log → build the dialect-neutral answer. Only then does a dialect
 render it to the agent.
