@@ -315,7 +315,7 @@ def main() -> None:
         splice = asyncio.run(splicing([spliced, rendered], args.turns))
         stop(spliced, time.time())
         stop(rendered, time.time())
-    prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
+        prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
     engine_process.terminate()
     report(results, splice, args.turns, prompt_tokens, loads)
 

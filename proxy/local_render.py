@@ -174,8 +174,12 @@ class LocalRendering:
                               "or template arguments set on the server?)")
         return self.off is None
 
+    @property
+    def usable(self) -> bool:
+        return self.off is None and self.format is not None
+
     def render(self, request: ChatRender) -> Rendered | None:
-        return self.template.render(request, self.format) if self.off is None and self.format else None
+        return self.template.render(request, self.format) if self.usable and self.format else None
 
     @property
     def warming(self) -> bool:

@@ -70,6 +70,7 @@ class PromptMaker:
         self.check_tokens = check_tokens
         self.local_render = local_render  # a model directory, "auto" (the engine's, if readable here) or None
         self.local: LocalRendering | None = None
+        self._loading = asyncio.Lock()
         self._heads: dict[tuple[bool, bytes], Rendered] = {}
 
     async def make(self, session: Session, call: ChatCall, conversation: ChatRender, message_digests: bytes,
@@ -169,10 +170,16 @@ class PromptMaker:
         return head
 
     async def _local_ready(self) -> bool:
-        if self.local_render is not None and self.local is None:
-            self.local = await self._load_local(self.local_render)
-            self.local_render = None
-        return self.local is not None and await self.local.ready()
+        """Whether renders are made in the proxy; the first call loads the files and asks the engine to agree (once,
+        while other calls wait: an engine that cannot answer leaves it to the next call)."""
+        if self.local_render is not None:
+            async with self._loading:
+                if self.local_render is not None:
+                    local = await self._load_local(self.local_render)
+                    if local is not None:
+                        await local.ready()
+                    self.local, self.local_render = local, None
+        return self.local is not None and self.local.usable
 
     async def _load_local(self, source: str) -> LocalRendering | None:
         """The tokenizer and template to render with: `source`, or with "auto" the engine's model directory."""
@@ -182,7 +189,7 @@ class PromptMaker:
                 return None
             source = self.engine.model_root
         try:
-            template = LocalTemplate.load(source)
+            template = await asyncio.to_thread(LocalTemplate.load, source)  # a large tokenizer takes a while
         except (LocalTemplateError, OSError, ValueError) as exc:
             log.warning("prompts are rendered by the engine, not in the proxy: %s", exc)
             return None

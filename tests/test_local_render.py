@@ -174,3 +174,21 @@ def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: 
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_many_first_calls_at_once_load_the_files_once(model_engine: tuple[FakeEngine, str], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_engine[0].render([{"role": "user", "content": "hi"}], None)  # the fake engine has loaded its own copy
+    loads: list[str] = []
+    load = LocalTemplate.load
+    monkeypatch.setattr(LocalTemplate, "load", classmethod(lambda cls, model_dir: loads.append(model_dir) or load(
+        model_dir)))
+    with serve_proxy(ProxyConfig(upstream=model_engine[1], store_dir=str(tmp_path))) as proxy:
+        agents = [Agent(proxy) for _ in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda agent: agent.chat([{"role": "user", "content": "hi"}]).status_code, agents))
+        turns = [turn for agent in agents for turn in agent.trace().turns]
+    assert statuses == [200] * 16 and len(loads) == 1
+    assert {turn.metadata["rendered_by"] for turn in turns} == {"proxy"}
