@@ -11,11 +11,11 @@ carries the finish, so the parsers flush what they held back, and the reads toge
 content, reasoning and tool calls, as vLLM's chat route reads a streamed answer (its streaming parsers),
 with no read of the whole answer after it. vLLM carries no parser state between reads, so each read
 replays the answer so far: ids that arrive while a read is under way wait and go together in the next
-one; the first read waits `interval_s` after the first ids (an answer sampled faster than that is read
-once, with its finish), and later reads are spaced by `interval_s` and by four times the last read's
-duration, which keeps the replays to a fifth of the engine's time however long the answer grows. Text
-that could still be the start of a stop string is held back, as vLLM's detokenizer holds it: the agent
-never sees what the final answer leaves out.
+one; the first read waits 10 ms after the first ids (an answer sampled faster than that is read once,
+with its finish), and later reads are spaced by `interval_s` and by four times the last read's duration,
+which keeps the replays to a fifth of the engine's time however long the answer grows. Text that could
+still be the start of a stop string is held back, as vLLM's detokenizer holds it: the agent never sees
+what the final answer leaves out.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from proxy.upstream import (
 log = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 READ_COST_FACTOR = 4  # reads are spaced by at least this many times the last read's duration
+FIRST_READ_S = 0.01  # the first read waits this long after the first ids (little against a 256-token answer's time)
 
 
 def ids_json(prompt: Rendered) -> msgspec.Raw:
@@ -203,8 +204,8 @@ class TextReader:
         next_at: float | None = None
         while True:
             await self._more.wait()
-            if next_at is None:  # the first read waits `interval_s` too: an answer sampled faster is read once
-                next_at = loop.time() + self.interval_s
+            if next_at is None:  # the first read waits a moment: an answer sampled in it is read once, whole
+                next_at = loop.time() + min(self.interval_s, FIRST_READ_S)
             with contextlib.suppress(TimeoutError):  # the finish is read at once
                 await asyncio.wait_for(self._finished.wait(), max(0.0, next_at - loop.time()))
             self._more.clear()

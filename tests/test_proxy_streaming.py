@@ -111,8 +111,7 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
 
 
-def test_an_answer_sampled_faster_than_the_read_interval_is_read_once(fake_proxy: RunningProxy,
-                                                                      fake_engine: FakeEngine) -> None:
+def test_an_answer_sampled_at_once_is_read_once(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     agent = Agent(fake_proxy)
     fake_engine.script.append(Scripted(content="A short answer."))
     blocks, _ = stream(*_request("openai_chat", agent, "talk"))
