@@ -155,9 +155,17 @@ async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> 
     return out
 
 
+async def warm(http: aiohttp.ClientSession, target: Target) -> None:
+    """A few calls through a throwaway session, so a freshly started target's one-time work is not measured."""
+    url, headers = await target.session(http)
+    for i in range(10):
+        await post(http, url, headers, agent_body(i))
+
+
 async def saturate(target: Target, agents: int, seconds: float) -> tuple[float, list[float]]:
     """Requests/s with `agents` sending back to back, and each request's latency."""
     async with client() as http:
+        await warm(http, target)
         sessions = [await target.session(http) for _ in range(agents)]
         bodies = [agent_body(i) for i in range(50)]
         latencies: list[float] = []
@@ -179,6 +187,7 @@ async def saturate(target: Target, agents: int, seconds: float) -> tuple[float, 
 
 async def thinking_agents(target: Target, agents: int, think_s: float, seconds: float) -> list[float]:
     async with client() as http:
+        await warm(http, target)
         sessions = [await target.session(http) for _ in range(agents)]
         latencies: list[float] = []
         deadline = time.perf_counter() + seconds
