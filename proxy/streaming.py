@@ -81,27 +81,28 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
 async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event) -> tuple[bool, list[int]]:
     """Hand each step's ids to the reader until the stream ends: (True when the agent left first, the last step's
     ids, which the reader gets with the finish once the sample is checked)."""
-    steps = aiter(stream.steps())
-    leaving = asyncio.ensure_future(left.wait())
-    last: list[int] = []
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(steps, None))
-            await asyncio.wait((step, leaving), return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await step
-                return True, last
-            ids = step.result()
-            if ids is None:
-                return False, last
+    async def feed() -> list[int]:
+        last: list[int] = []
+        async for ids in stream.steps():
             if stream.finish_reason is None:
                 reader.feed(ids)
             else:
                 last = ids
+        return last
+
+    feeding = asyncio.ensure_future(feed())
+    leaving = asyncio.ensure_future(left.wait())
+    try:
+        await asyncio.wait((feeding, leaving), return_when=asyncio.FIRST_COMPLETED)
+        if not feeding.done():
+            feeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeding
+            return True, []
+        return False, feeding.result()
     finally:
         leaving.cancel()
+        feeding.cancel()
 
 
 def _rest(sent: str, final: str | None) -> str | None:
