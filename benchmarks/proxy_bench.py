@@ -1,18 +1,22 @@
 """Proxy overhead, side by side in one run: the engine directly, OpenEnv's capture proxy, and ours.
 
-All three talk to the same fast fake engine (tests/fake_engine.py, its own process, answers in well
-under 1 ms) with agent-sized requests: ~20 messages, ~16 KB, 10 tool schemas, ~5k prompt tokens.
-Each proxy runs in its own process under the same small wrapper that times every garbage
-collection. Figures printed:
+All three talk to the same fast fake engine (tests/fake_engine.py, its own process) with agent-sized
+requests: ~20 messages, ~16 KB, 10 tool schemas, ~6.7k prompt tokens. The fake renders with the tiny
+model's real tokenizer and chat template (about a millisecond a conversation) and names that model
+directory, as a vLLM on the same machine does, so our proxy renders prompts itself. Each proxy runs in
+its own process under the same small wrapper that times every garbage collection. Figures printed:
 
   one agent      p50/p99 latency over the first 50 sequential turns of a session, and what is added:
                  each target alone, and all three interleaved turn by turn (outside load falls on each
-                 alike, but each proxy's background work also slows the others)
+                 alike, but each proxy's background work also slows the others); and the engine calls our
+                 proxy made per agent call (render, generate, derender; the chat route for the others)
+  streamed       the same with `stream: true`, to the answer's last byte (OpenEnv asks the engine for a
+                 whole answer and replays it as events; ours streams from the engine)
   session length one session of 400 turns per target, alone: mean latency of turns 1-50 vs 351-400,
                  the slope per 100 turns held, and the proxy's CPU per request early and late
   proxy CPU      user+system CPU the proxy process spent per request (unaffected by other load)
   memory         RSS growth per captured turn over those 400 turns
-  saturation     requests/s with 32 agents sending back to back for a few seconds
+  16 agents      requests/s and p99 latency with 16 agents sending back to back for a few seconds
   64 agents      p50/p99 latency, 64 agents with 500 ms think time between turns, and what is added
   collector      gen-2 collections and the longest collector pause (wall, and the collector's own CPU)
   echo           bytes the agent receives per answer, and whether capture fields leak to it
@@ -20,8 +24,9 @@ collection. Figures printed:
                  our proxy with token in/token out on and off, interleaved: what splicing adds per turn,
                  early and late, and the proxy CPU per turn in each mode
 
-Run: `.venv/bin/python benchmarks/proxy_bench.py` (about three minutes on a 2-core machine; other load on
-the machine moves the latency figures, the CPU-per-request figures much less).
+Run: `.venv/bin/python benchmarks/proxy_bench.py` (about five minutes on a 2-core machine; other load on
+the machine moves the latency figures, the CPU-per-request figures much less; the load average is printed
+beside each phase).
 """
 
 from __future__ import annotations
@@ -29,41 +34,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
-
-# Runs a module as __main__ and appends every gen-2 collection and every pause over 1 ms to $GC_STATS
-# as "generation wall-seconds cpu-seconds wall-time" lines, as they happen (so a killed process still
-# reports). CPU seconds tell the collector's own work apart from time the process was descheduled.
-GC_WRAPPER = """
-import gc, os, runpy, sys, time
-out = open(os.environ["GC_STATS"], "a", buffering=1)
-started = [0.0, 0.0]
-def timed(phase, info):
-    if phase == "start":
-        started[:] = time.perf_counter(), time.process_time()
-        return
-    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
-    if info["generation"] == 2 or wall > 0.001:
-        out.write(f"{info['generation']} {wall} {cpu} {time.time()}\\n")
-gc.callbacks.append(timed)
-module = sys.argv[1]
-sys.argv = [module] + sys.argv[2:]
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
+from processes import (
+    Target,
+    cpu_s,
+    load,
+    rss_kb,
+    start_engine,
+    start_openenv,
+    start_ours,
+    stop,
+    stopping_all,
+    tiny_model_with_loaded_tokenizer,
+)
 
 
 def tool_schemas() -> list[dict]:
@@ -94,52 +83,9 @@ def history() -> list[dict]:
 HISTORY, TOOLS = history(), tool_schemas()
 
 
-def agent_body(turn: int) -> bytes:
+def agent_body(turn: int, stream: bool = False) -> bytes:
     messages = HISTORY + [{"role": "user", "content": f"Continue with step {turn}."}]
-    return json.dumps({"model": "policy", "messages": messages, "tools": TOOLS}).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_s(pid: int) -> float:
-    """User+system CPU seconds the process has used (robust to other load on the machine)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-@dataclass
-class Target:
-    """One way for an agent to reach the engine."""
-
-    name: str
-    process: subprocess.Popen | None
-    base: str
-    kind: str  # direct | openenv | ours
-    admin: dict[str, str] = field(default_factory=dict)
-    gc_stats: Path | None = None
-
-    async def session(self, http: aiohttp.ClientSession) -> tuple[str, dict[str, str]]:
-        """(chat completions URL, headers) for a fresh agent."""
-        if self.kind == "direct":
-            return f"{self.base}/v1/chat/completions", {"Content-Type": "application/json"}
-        async with http.post(f"{self.base}/sessions", json={}, headers=self.admin) as resp:
-            info = await resp.json()
-        if self.kind == "openenv":
-            return f"{self.base}/v1/chat/completions", {"Authorization": f"Bearer {info['session_id']}",
-                                                        "Content-Type": "application/json"}
-        return f"{info['openai_base_url']}/chat/completions", {"Authorization": f"Bearer {info['key']}",
-                                                               "Content-Type": "application/json"}
+    return json.dumps({"model": "policy", "messages": messages, "tools": TOOLS, "stream": stream}).encode()
 
 
 def client() -> aiohttp.ClientSession:
@@ -147,22 +93,31 @@ def client() -> aiohttp.ClientSession:
 
 
 async def post(http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> tuple[float, bytes]:
+    """(seconds to the answer's last byte, the answer); a streamed answer is read to its end."""
     started = time.perf_counter()
     async with http.post(url, data=body, headers=headers) as resp:
         data = await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url} answered {resp.status}: {data[:300]!r}")
+        if resp.status != 200 or b'"error"' in data[-400:]:
+            raise RuntimeError(f"{url} answered {resp.status}: {data[-300:]!r}")
     return time.perf_counter() - started, data
 
 
-async def one_agent(targets: list[Target], turns: int) -> dict[str, dict]:
+def engine_calls(engine: str) -> dict[str, int]:
+    """Requests the fake engine has answered, by route."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{engine}/stats") as resp:
+        return json.loads(resp.read())
+
+
+async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> dict[str, dict]:
     """One session of `turns` sequential turns per target, interleaved turn by turn so that load from
     anything else on the machine falls on all targets alike."""
     async with client() as http:
         for target in targets:  # warm-up in a throwaway session
             url, headers = await target.session(http)
             for i in range(20):
-                await post(http, url, headers, agent_body(i))
+                await post(http, url, headers, agent_body(i, stream))
         sessions = [await target.session(http) for target in targets]
         before = [rss_kb(t.process.pid) if t.process else 0 for t in targets]
         cpu_before = [cpu_s(t.process.pid) if t.process else 0.0 for t in targets]
@@ -171,9 +126,9 @@ async def one_agent(targets: list[Target], turns: int) -> dict[str, dict]:
         last: list[bytes] = [b""] * len(targets)
         cpu_marks: dict[int, list[float]] = {}
         for turn in range(turns):
-            if turn in (100, turns - 100):
+            if turn in (min(100, turns // 2), max(turns - 100, turns // 2)):
                 cpu_marks[turn] = [cpu_s(t.process.pid) if t.process else 0.0 for t in targets]
-            body = agent_body(turn)
+            body = agent_body(turn, stream)
             for k, (url, headers) in enumerate(sessions):
                 latency, last[k] = await post(http, url, headers, body)
                 latencies[k].append(latency)
@@ -182,47 +137,57 @@ async def one_agent(targets: list[Target], turns: int) -> dict[str, dict]:
         cpu_after = [cpu_s(t.process.pid) if t.process else 0.0 for t in targets]
     out = {}
     for k, target in enumerate(targets):
-        answer = json.loads(last[k])
-        choice = answer["choices"][0]
-        leaked = sorted({"prompt_token_ids", "token_ids"} & (set(answer) | set(choice))
-                        | ({"logprobs"} if choice.get("logprobs") is not None else set()))
+        leaked: list[str] = []
+        if not stream:
+            answer = json.loads(last[k])
+            choice = answer["choices"][0]
+            leaked = sorted({"prompt_token_ids", "token_ids"} & (set(answer) | set(choice))
+                            | ({"logprobs"} if choice.get("logprobs") is not None else set()))
         lat = latencies[k]
         out[target.name] = {
             "p50": statistics.median(lat[:50]), "p99": quantile(lat[:50], 0.99), "p50_all": statistics.median(lat),
             "first50": statistics.fmean(lat[:50]), "last50": statistics.fmean(lat[-50:]),
             "slope_per_100": statistics.linear_regression(range(turns), lat).slope * 100,
             "kb_per_turn": (after[k] - before[k]) / turns, "cpu": (cpu_after[k] - cpu_before[k]) / turns,
-            "cpu_first100": (cpu_marks[100][k] - cpu_before[k]) / 100,
-            "cpu_last100": (cpu_after[k] - cpu_marks[turns - 100][k]) / 100,
+            "cpu_first100": (cpu_marks[min(100, turns // 2)][k] - cpu_before[k]) / min(100, turns // 2),
+            "cpu_last100": (cpu_after[k] - cpu_marks[max(turns - 100, turns // 2)][k]) / min(100, turns - turns // 2),
             "bytes": statistics.fmean(sizes[k]), "leaked": leaked}
     return out
 
 
-async def saturate(target: Target, agents: int, seconds: float) -> float:
+async def warm(http: aiohttp.ClientSession, target: Target) -> None:
+    """A few calls through a throwaway session, so a freshly started target's one-time work is not measured."""
+    url, headers = await target.session(http)
+    for i in range(10):
+        await post(http, url, headers, agent_body(i))
+
+
+async def saturate(target: Target, agents: int, seconds: float) -> tuple[float, list[float]]:
+    """Requests/s with `agents` sending back to back, and each request's latency."""
     async with client() as http:
+        await warm(http, target)
         sessions = [await target.session(http) for _ in range(agents)]
         bodies = [agent_body(i) for i in range(50)]
-        done = 0
+        latencies: list[float] = []
         deadline = time.perf_counter() + seconds
 
         async def agent(url: str, headers: dict[str, str]) -> None:
-            nonlocal done
             i = 0
             while time.perf_counter() < deadline:
                 try:
-                    await post(http, url, headers, bodies[i % 50])
-                    done += 1
+                    latencies.append((await post(http, url, headers, bodies[i % 50]))[0])
                 except (TimeoutError, aiohttp.ClientError, RuntimeError):
                     pass
                 i += 1
 
         started = time.perf_counter()
         await asyncio.gather(*(agent(u, h) for u, h in sessions))
-        return done / (time.perf_counter() - started)
+        return len(latencies) / (time.perf_counter() - started), latencies
 
 
 async def thinking_agents(target: Target, agents: int, think_s: float, seconds: float) -> list[float]:
     async with client() as http:
+        await warm(http, target)
         sessions = [await target.session(http) for _ in range(agents)]
         latencies: list[float] = []
         deadline = time.perf_counter() + seconds
@@ -273,84 +238,39 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def wait_health(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def start_engine() -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([PYTHON, str(ROOT / "tests" / "fake_engine.py")], stdout=subprocess.PIPE)
-    return process, process.stdout.readline().decode().strip()
-
-
-def start_openenv(engine: str, work: Path) -> Target:
-    port = free_port()
-    stats = work / f"openenv-gc-{port}.json"
-    process = subprocess.Popen(
-        [PYTHON, "-c", GC_WRAPPER, "openenv.core.harness.capture.server", "--llm-url", engine, "--model", "fake",
-         "--capture-level", "tokens", "--port", str(port)],
-        env={**os.environ, "GC_STATS": str(stats)}, stdout=subprocess.DEVNULL,
-        stderr=(work / f"openenv-{port}.log").open("wb"))  # its INFO log must never block on a full pipe
-    url = f"http://127.0.0.1:{port}"
-    wait_health(url, process)
-    return Target("OpenEnv capture proxy", process, url, "openenv", gc_stats=stats)
-
-
-def start_ours(engine: str, work: Path, *flags: str) -> Target:
-    stats = work / f"ours-gc-{time.monotonic_ns()}.json"
-    process = subprocess.Popen(
-        [PYTHON, "-c", GC_WRAPPER, "harness_rl.cli", "serve", "proxy", "--upstream", engine, "--port", "0",
-         "--store", str(work / "store"), "--no-engine-check", *flags],
-        env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
-        stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
-    url = process.stdout.readline().decode().split()[3]
-    wait_health(url, process)
-    return Target("harness-rl proxy", process, url, "ours", admin={"Authorization": "Bearer bench"}, gc_stats=stats)
-
-
-def stop(target: Target, since: float) -> list[tuple[int, float, float]]:
-    """Stop the proxy; return (generation, wall, cpu) of the collections it ran from `since` until the stop
-    signal (the interpreter's own collection at exit is no pause an agent sees)."""
-    if target.process is None:
-        return []
-    until = time.time()
-    target.process.send_signal(signal.SIGTERM)
-    try:
-        target.process.wait(20)
-    except subprocess.TimeoutExpired:
-        target.process.kill()
-        target.process.wait()
-    if target.gc_stats is None or not target.gc_stats.exists():
-        return []
-    rows = [line.split() for line in target.gc_stats.read_text().splitlines()]
-    return [(int(g), float(wall), float(cpu)) for g, wall, cpu, at in rows if since <= float(at) < until]
-
-
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:7.2f} ms"
+
+
+ROUTES = ("/v1/chat/completions", "/v1/chat/completions/render", "/inference/v1/generate",
+          "/v1/chat/completions/derender")
+
+
+def alone(name: str, fresh: Callable[[str], Target], engine: str, turns: int, stream: bool,
+          pauses: list[tuple[int, float, float]]) -> dict:
+    """One session of `turns` turns (after 20 warm-up turns) through a freshly started target alone, and the
+    engine calls it made per agent call."""
+    target = fresh(name)
+    since, before = time.time(), engine_calls(engine)
+    out = asyncio.run(one_agent([target], turns, stream))[name]  # alone: nobody else's growth leaks in
+    after = engine_calls(engine)
+    pauses += stop(target, since)
+    out["calls"] = sum(after.get(r, 0) - before.get(r, 0) for r in ROUTES) / (turns + 20)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=400, help="turns of the one-agent session (at least 200)")
+    parser.add_argument("--stream-turns", type=int, default=200, help="turns of the streaming one-agent session")
     parser.add_argument("--saturation-s", type=float, default=5.0)
     parser.add_argument("--think-s", type=float, default=10.0, help="duration of the 64-agent run")
     args = parser.parse_args()
     body = agent_body(0)
     print(f"request: {len(json.loads(body)['messages'])} messages, {len(body) / 1024:.1f} KB, {len(TOOLS)} tools")
 
-    engine_process, engine = start_engine()
-    with tempfile.TemporaryDirectory() as tmp:
+    engine_process, engine = start_engine(tiny_model_with_loaded_tokenizer())
+    with tempfile.TemporaryDirectory() as tmp, stopping_all():
         work = Path(tmp)
         starters = {"direct to engine": None, "OpenEnv capture proxy": start_openenv, "harness-rl proxy": start_ours}
 
@@ -360,33 +280,41 @@ def main() -> None:
             return start(engine, work) if start else Target(name, None, engine, "direct")
 
         pauses: dict[str, list[tuple[int, float, float]]] = {name: [] for name in starters}
-        targets = [fresh(name) for name in starters]
-        since = time.time()
-        results = asyncio.run(one_agent(targets, 200))  # interleaved: the one-agent latencies compare fairly
-        for target in targets:
-            pauses[target.name] += stop(target, since)
-            print(f"{target.name}: one agent p50 {ms(results[target.name]['p50'])}", flush=True)
-        for name, r in results.items():
-            target = fresh(name)
+        loads: list[str] = []
+        results: dict[str, dict] = {}
+        for stream in (False, True):  # interleaved: the one-agent latencies compare fairly
+            targets = [fresh(name) for name in starters]
             since = time.time()
-            alone = asyncio.run(one_agent([target], args.turns))[name]  # alone: nobody else's growth leaks in
-            pauses[name] += stop(target, since)
+            got = asyncio.run(one_agent(targets, args.stream_turns if stream else 200, stream))
+            loads.append(load())
+            for target in targets:
+                pauses[target.name] += stop(target, since)
+                mode = "streamed" if stream else "JSON"
+                print(f"{target.name}: one agent {mode} p50 {ms(got[target.name]['p50'])} ({loads[-1]})", flush=True)
+                results.setdefault(target.name, {}).update(
+                    {f"{k}_stream": v for k, v in got[target.name].items()} if stream else got[target.name])
+        for name, r in results.items():
+            one = alone(name, fresh, engine, args.turns, False, pauses[name])
             for key in ("p50_all", "first50", "last50", "slope_per_100", "kb_per_turn", "cpu", "cpu_first100",
-                        "cpu_last100"):
-                r[key] = alone[key]
-            r["p50_alone"], r["p99_alone"] = alone["p50"], alone["p99"]
-            print(f"{name}: {args.turns}-turn session, {r['kb_per_turn']:.1f} KB/turn", flush=True)
+                        "cpu_last100", "calls"):
+                r[key] = one[key]
+            r["p50_alone"], r["p99_alone"] = one["p50"], one["p99"]
+            streamed = alone(name, fresh, engine, args.stream_turns, True, pauses[name])
+            r["p50_alone_stream"], r["cpu_stream"], r["calls_stream"] = streamed["p50"], streamed["cpu"], \
+                streamed["calls"]
+            print(f"{name}: {args.turns}-turn session, {r['kb_per_turn']:.1f} KB/turn ({load()})", flush=True)
             target = fresh(name)
             since = time.time()
             lat = asyncio.run(thinking_agents(target, 64, 0.5, args.think_s))
             pauses[name] += stop(target, since)
             r["think_p50"], r["think_p99"] = statistics.median(lat), quantile(lat, 0.99)
-            print(f"{name}: 64 agents p50 {ms(r['think_p50'])} p99 {ms(r['think_p99'])}", flush=True)
+            print(f"{name}: 64 agents p50 {ms(r['think_p50'])} p99 {ms(r['think_p99'])} ({load()})", flush=True)
             target = fresh(name)
             since = time.time()
-            r["rps"] = asyncio.run(saturate(target, 32, args.saturation_s))
+            r["rps"], lat = asyncio.run(saturate(target, 16, args.saturation_s))
+            r["sat_p50"], r["sat_p99"] = statistics.median(lat), quantile(lat, 0.99)
             pauses[name] += stop(target, since)
-            print(f"{name}: saturation {r['rps']:.0f} req/s", flush=True)
+            print(f"{name}: 16 agents {r['rps']:.0f} req/s, p99 {ms(r['sat_p99'])} ({load()})", flush=True)
             r["gen2"] = sum(1 for g, _, _ in pauses[name] if g == 2)
             r["max_pause"] = max((wall for _, wall, _ in pauses[name]), default=0.0)
             r["max_pause_cpu"] = max((cpu for _, _, cpu in pauses[name]), default=0.0)
@@ -396,10 +324,14 @@ def main() -> None:
         splice = asyncio.run(splicing([spliced, rendered], args.turns))
         stop(spliced, time.time())
         stop(rendered, time.time())
-    prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
+        prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
     engine_process.terminate()
+    report(results, splice, args.turns, prompt_tokens, loads)
 
-    print(f"prompt: {prompt_tokens} tokens\n")
+
+def report(results: dict[str, dict], splice: dict[str, dict[str, float]], turns: int, prompt_tokens: int,
+           loads: list[str]) -> None:
+    print(f"prompt: {prompt_tokens} tokens; {load()} (interleaved runs: JSON {loads[0]}, streamed {loads[1]})\n")
     direct = results["direct to engine"]
     names = list(results)
     rows = [
@@ -409,16 +341,25 @@ def main() -> None:
         ("one agent p50, interleaved", lambda r: ms(r["p50"])),
         ("  added p50", lambda r: ms(r["p50"] - direct["p50"])),
         ("one agent p99, interleaved", lambda r: ms(r["p99"])),
-        (f"one agent p50 (1-{args.turns})", lambda r: ms(r["p50_all"])),
+        ("  engine calls per call", lambda r: f"{r['calls']:7.2f}"),
+        ("streamed p50, alone", lambda r: ms(r["p50_alone_stream"])),
+        ("  added p50", lambda r: ms(r["p50_alone_stream"] - direct["p50_alone_stream"])),
+        ("streamed p50, interleaved", lambda r: ms(r["p50_stream"])),
+        ("  added p50", lambda r: ms(r["p50_stream"] - direct["p50_stream"])),
+        ("  engine calls per call", lambda r: f"{r['calls_stream']:7.2f}"),
+        ("  proxy CPU per call", lambda r: ms(r["cpu_stream"])),
+        (f"one agent p50 (1-{turns})", lambda r: ms(r["p50_all"])),
         ("turns 1-50 mean", lambda r: ms(r["first50"])),
-        (f"turns {args.turns - 49}-{args.turns} mean", lambda r: ms(r["last50"])),
+        (f"turns {turns - 49}-{turns} mean", lambda r: ms(r["last50"])),
         ("  growth per 100 turns", lambda r: ms(r["slope_per_100"])),
         ("proxy CPU per request", lambda r: ms(r["cpu"])),
         ("  turns 1-100", lambda r: ms(r["cpu_first100"])),
-        (f"  turns {args.turns - 99}-{args.turns}", lambda r: ms(r["cpu_last100"])),
+        (f"  turns {turns - 99}-{turns}", lambda r: ms(r["cpu_last100"])),
         ("  one-core ceiling", lambda r: f"{1 / r['cpu']:7.0f} req/s" if r["cpu"] else "      -"),
         ("memory per captured turn", lambda r: f"{r['kb_per_turn']:7.1f} KB"),
-        ("saturation (32 agents)", lambda r: f"{r['rps']:7.0f} req/s"),
+        ("16 agents back to back", lambda r: f"{r['rps']:7.0f} req/s"),
+        ("  p99", lambda r: ms(r["sat_p99"])),
+        ("  added p99", lambda r: ms(r["sat_p99"] - direct["sat_p99"])),
         ("64 agents p50", lambda r: ms(r["think_p50"])),
         ("  added p50", lambda r: ms(r["think_p50"] - direct["think_p50"])),
         ("64 agents p99", lambda r: ms(r["think_p99"])),
@@ -435,18 +376,25 @@ def main() -> None:
     for name in names:
         print(f"capture fields the agent receives via {name}: {', '.join(results[name]['leaked']) or 'none'}")
     on, off = splice["harness-rl proxy"], splice["harness-rl proxy, --no-tito"]
-    print(f"\nsplice: an agent sending its own replies back, {args.turns} turns, token in/out on vs off, interleaved")
+    print(f"\nsplice: an agent sending its own replies back, {turns} turns, token in/out on vs off, interleaved")
     print(f"{'':28}{'on (spliced)':>16}{'off (rendered)':>16}{'added':>12}")
     for label, key in (("p50 latency, turns 1-50", "first50"), ("p50 latency, last 50", "last50"),
                        ("proxy CPU, turns 1-50", "cpu_first50"), ("proxy CPU, last 50", "cpu_last50"),
                        ("latency growth per 100", "slope_per_100")):
         print(f"{label:28}{ms(on[key]):>16}{ms(off[key]):>16}{ms(on[key] - off[key]):>12}")
     ours, theirs = results["harness-rl proxy"], results["OpenEnv capture proxy"]
-    print("\nratios (OpenEnv / ours): added p50 "
-          f"{(theirs['p50_alone'] - direct['p50_alone']) / max(ours['p50_alone'] - direct['p50_alone'], 1e-9):.1f}x, "
-          f"saturation {ours['rps'] / theirs['rps']:.1f}x (ours / OpenEnv), "
-          f"memory per turn {theirs['kb_per_turn'] / max(ours['kb_per_turn'], 1e-9):.1f}x, "
-          f"answer size {theirs['bytes'] / ours['bytes']:.1f}x")
+
+    def added(r: dict, key: str) -> float:
+        return r[key] - direct[key]
+
+    print("\nours / OpenEnv, added p50 alone: JSON "
+          f"{added(ours, 'p50_alone') / added(theirs, 'p50_alone'):.2f}x, streamed "
+          f"{added(ours, 'p50_alone_stream') / added(theirs, 'p50_alone_stream'):.2f}x; interleaved: JSON "
+          f"{added(ours, 'p50') / added(theirs, 'p50'):.2f}x, streamed "
+          f"{added(ours, 'p50_stream') / added(theirs, 'p50_stream'):.2f}x; "
+          f"16 agents {ours['rps'] / theirs['rps']:.1f}x req/s; "
+          f"memory per turn {ours['kb_per_turn'] / max(theirs['kb_per_turn'], 1e-9):.2f}x; "
+          f"answer size {ours['bytes'] / theirs['bytes']:.2f}x")
 
 
 def direct_probe(engine: str) -> str:

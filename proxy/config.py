@@ -71,6 +71,16 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fsync: Annotated[bool, setting("fsync every captured turn (survives power loss, slower)")] = False
     tito: Annotated[bool, setting("token in, token out: send an agent's earlier replies back to the engine as the "
                                 "ids it sampled (off: render every prompt from the messages)")] = True
+    splice_check_tokens: Annotated[AtLeastZero | None, setting(
+        "a spliced turn renders only the messages after the agent's last reply; on about this many tokens of "
+        "conversation per turn, the whole conversation is rendered too and must agree (every turn of a "
+        "conversation this long, one in N of one N times longer; a disagreement renders that session whole from "
+        "then on); 0: never; none: every turn")] = 4096
+    local_render: Annotated[str | None, setting(
+        "render prompts in the proxy with the served model's tokenizer.json and chat template from this directory "
+        "(one engine round trip fewer per call; checked against the engine's rendering as splices are, and "
+        "turned off at the first disagreement); 'auto': the engine's own model directory when this machine can "
+        "read it; none: the engine renders every prompt")] = "auto"
     accept_images: Annotated[bool, setting("forward image parts to the engine (only for models that take them)")] \
         = False
     engine_check_s: Annotated[Positive, setting("with several engines, how often each is probed (/health, and "

@@ -6,16 +6,22 @@ closing usage. Leaving it early closes the connection, which ends the generation
 whose client went away; so does the embedded engine).
 
 `TextReader` turns the growing answer into reasoning and content deltas with vLLM's streaming derender:
-the engine's own parsers decide what is text and what is markup, for any model family. Each read replays
-the answer so far (vLLM carries no parser state between reads), so ids that arrive while a read is under
-way wait and go together in the next one, and reads are spaced by `interval_s` and by four times the last
-read's duration. Text that could still be the start of a stop string is held back, as vLLM's detokenizer
-holds it: the agent never sees what the final answer leaves out.
+the engine's own parsers decide what is text and what is markup, for any model family. The last read
+carries the finish, so the parsers flush what they held back, and the reads together are the answer:
+content, reasoning and tool calls, as vLLM's chat route reads a streamed answer (its streaming parsers),
+with no read of the whole answer after it. vLLM carries no parser state between reads, so each read
+replays the answer so far: ids that arrive while a read is under way wait and go together in the next
+one; the first read waits 10 ms after the first ids (an answer sampled faster than that is read once,
+with its finish), and later reads are spaced by `interval_s` and by four times the last read's duration,
+which keeps the replays to a fifth of the engine's time however long the answer grows. Text that could
+still be the start of a stop string is held back, as vLLM's detokenizer holds it: the agent never sees
+what the final answer leaves out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
@@ -23,12 +29,14 @@ from types import TracebackType
 import aiohttp
 import msgspec
 
+from harness_rl.trace import Reply, ToolCall
 from proxy.engine_wire import (
     CHUNK_DECODER,
     DERENDER_STREAM_DECODER,
     NULL,
     DerenderChoice,
     DerenderStreamRequest,
+    FunctionDelta,
     GenerateRequest,
     GenerateResponse,
     SamplingParams,
@@ -51,6 +59,7 @@ from proxy.upstream import (
 log = logging.getLogger(__name__)
 _ENCODER = msgspec.json.Encoder()
 READ_COST_FACTOR = 4  # reads are spaced by at least this many times the last read's duration
+FIRST_READ_S = 0.01  # the first read waits this long after the first ids (little against a 256-token answer's time)
 
 
 def ids_json(prompt: Rendered) -> msgspec.Raw:
@@ -154,7 +163,9 @@ class SampleStream:
 
 
 class TextReader:
-    """The engine's parsers reading a sample as it grows; `run()` reads while `feed()` adds ids."""
+    """The engine's parsers reading a sample as it grows: `run()` reads while `feed()` adds ids; once `finish()`
+    hands over the last ones, it reads them at once, with the finish (the parsers flush what they held back),
+    and returns True: `reply()` is then the whole answer, as the engine's streaming parsers read it."""
 
     def __init__(self, engine: EngineClient, chat_request: bytes, prompt: Rendered, stops: list[str],
                  interval_s: float, emit: Callable[[TextKind, str], None]) -> None:
@@ -165,9 +176,13 @@ class TextReader:
         self.interval_s = interval_s
         self.emit = emit
         self.sent: dict[TextKind, str] = {"reasoning": "", "content": ""}
+        self.reads = 0
         self._read: dict[TextKind, str] = {"reasoning": "", "content": ""}
+        self._calls: dict[int, ToolCall] = {}
         self._state = NULL
         self._pending: list[int] = []
+        self._finish: str | None = None
+        self._finished = asyncio.Event()
         self._more = asyncio.Event()
 
     def feed(self, ids: list[int]) -> None:
@@ -175,26 +190,50 @@ class TextReader:
             self._pending += ids
             self._more.set()
 
-    async def run(self) -> None:
-        """Read until cancelled; a failed read ends the reading (the rest of the text comes with the answer)."""
+    def finish(self, ids: list[int], finish_reason: str) -> None:
+        """The sample's last ids (a trailing stop token left out, as the chat route leaves it out of the text)."""
+        self._pending += ids
+        self._finish = finish_reason
+        self._finished.set()
+        self._more.set()
+
+    async def run(self) -> bool:
+        """Read until the finish is read (True) or a read fails (False: the reading stops there, and the answer
+        is read whole instead)."""
         loop = asyncio.get_running_loop()
-        next_at = 0.0
+        next_at: float | None = None
         while True:
             await self._more.wait()
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            if next_at is None:  # the first read waits a moment: an answer sampled in it is read once, whole
+                next_at = loop.time() + min(self.interval_s, FIRST_READ_S)
+            with contextlib.suppress(TimeoutError):  # the finish is read at once
+                await asyncio.wait_for(self._finished.wait(), max(0.0, next_at - loop.time()))
             self._more.clear()
-            ids, self._pending = self._pending, []
+            ids, self._pending, finish = self._pending, [], self._finish
             began = loop.time()
             try:
-                await self._read_step(ids)
+                await self._read_step(ids, finish)
             except ProxyError as exc:
                 log.warning("streaming text stopped for this answer: %s", exc.message)
-                return
+                return False
+            if finish is not None:
+                return True
             next_at = began + max(self.interval_s, READ_COST_FACTOR * (loop.time() - began))
 
-    async def _read_step(self, ids: list[int]) -> None:
+    def reply(self, stop_reason: str | int | None) -> Reply:
+        """The whole answer read (after `run()` returned True); the text cut before a stop string that ended it,
+        as the chat route cuts it."""
+        content = self._read["content"]
+        if isinstance(stop_reason, str) and stop_reason in content:
+            content = content[:content.index(stop_reason)]
+        calls = [ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+                 for _, call in sorted(self._calls.items())]
+        return Reply(content=content if content or not calls else None, reasoning=self._read["reasoning"] or None,
+                     tool_calls=calls)
+
+    async def _read_step(self, ids: list[int], finish: str | None) -> None:
         request = DerenderStreamRequest(
-            generate_chunk=GenerateResponse([DerenderChoice(ids)]), stream_state=self._state,
+            generate_chunk=GenerateResponse([DerenderChoice(ids, finish)]), stream_state=self._state,
             chat_request=self.chat_request, prompt_token_ids=ids_json(self.prompt), prompt_tokens=self.prompt.count,
             model=await self.engine.served_model())
         data, _, _ = await self.engine.post("/v1/chat/completions/derender", _ENCODER.encode(request))
@@ -203,11 +242,18 @@ class TextReader:
         except msgspec.DecodeError as exc:
             raise ProxyError(502, f"the engine at {self.engine.url} sent a streaming derender reply this proxy "
                                   f"cannot read: {exc}") from None
+        self.reads += 1
         self._state = reply.stream_state
         for choice in reply.chunk.choices:
             delta = choice.delta
             self._read["reasoning"] += delta.reasoning or delta.reasoning_content or ""
             self._read["content"] += delta.content or ""
+            for piece in delta.tool_calls or ():
+                call = self._calls.setdefault(piece.index, ToolCall(id="", name="", arguments=""))
+                function = piece.function or FunctionDelta()
+                self._calls[piece.index] = ToolCall(id=call.id or piece.id or "",
+                                                    name=call.name + (function.name or ""),
+                                                    arguments=call.arguments + (function.arguments or ""))
         for kind in ("reasoning", "content"):
             if kind == "reasoning" and self.sent["content"]:
                 continue  # reasoning comes before the text; any after it waits for the answer

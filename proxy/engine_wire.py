@@ -125,10 +125,24 @@ class DerenderStreamRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
+class FunctionDelta(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A piece of a streamed tool call: its id and name once, its arguments in fragments to concatenate."""
+
+    index: int = 0
+    id: str | None = None
+    function: FunctionDelta | None = None
+
+
 class TextDelta(msgspec.Struct):
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class DeltaChoice(msgspec.Struct):
@@ -187,6 +201,7 @@ class ModelCard(msgspec.Struct):
     id: str = ""
     max_model_len: int | None = None
     vocab_size: int | None = None
+    root: str | None = None  # vLLM: the model's path (where its tokenizer and chat template are)
 
 
 class ModelList(msgspec.Struct):

@@ -1,7 +1,7 @@
 """The capture pipeline: one agent call from admission to a durably recorded turn and its `Answer`.
 
 hold while the learner syncs weights → apply the sampling policy → make the prompt ids (spliced onto
-the earlier turn the agent continues, else rendered: `proxy.tito`) → sample from them (`generate`)
+the earlier turn the agent continues, else rendered: `proxy.prompts`) → sample from them (`generate`)
 → check ids, logprobs and usage → read the answer with the engine's own parsers (`derender`) →
 append the turn to the session's log → build the dialect-neutral answer. Only then does a dialect
 render it to the agent.
@@ -16,16 +16,16 @@ from typing import Any
 
 import msgspec
 
-from harness_rl.trace import PrefixBreak, PromptSource, Reply, Sampling, ToolCall, VersionSpan
-from proxy.capture import SEP, token_text
+from harness_rl.trace import Reply, Sampling, ToolCall, VersionSpan
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
 from proxy.engine_wire import SamplingParams, WeightVersionSpan
 from proxy.engines import sampled_by
+from proxy.prompts import Prompt, PromptMaker
 from proxy.sampling import call_seed
 from proxy.session import Session, TurnCapture
-from proxy.tito import common_tokens, digests, explain_break, fingerprint, splice_tail, tail_after
-from proxy.upstream import ChatRender, EngineClient, Generated, Rendered
+from proxy.tito import digests
+from proxy.upstream import ChatRender, EngineClient, Generated
 
 BUDGET_MESSAGE = "Step budget exhausted; stopping."
 _ENCODER = msgspec.json.Encoder()
@@ -64,13 +64,6 @@ class Gate:
         self._running.set()
 
 
-class Prompt(msgspec.Struct, frozen=True):
-    ids: Rendered  # what the engine samples from
-    rendered: Rendered  # the template's rendering of the whole conversation (the same ids unless spliced)
-    source: PromptSource
-    prefix_break: PrefixBreak | None = None
-
-
 class Prepared(msgspec.Struct, frozen=True, kw_only=True):
     """One call made ready for the engine: its prompt ids, what it samples with, and what its turn records."""
 
@@ -91,6 +84,8 @@ class CapturePipeline:
         self.config = config
         self.engine = engine
         self.gate = Gate()
+        self.prompts = PromptMaker(engine, tito=config.tito, check_tokens=config.splice_check_tokens,
+                                   local_render=config.local_render)
         self.announced_version: int | None = None  # the learner's latest, for engines that do not stamp replies
 
     async def capture(self, session: Session, call: ChatCall, harness: dict[str, str],
@@ -115,7 +110,7 @@ class CapturePipeline:
                                   chat_template_kwargs=call.chat_template_kwargs)
         message_digests = digests(encoded)
         started, version_at_start = time.time(), self.announced_version
-        prompt = await self._prompt(session, call, conversation, message_digests, hash(tools) if tools else None)
+        prompt = await self.prompts.make(session, call, conversation, message_digests, hash(tools) if tools else None)
         params = SamplingParams.capturing(temperature=applied.temperature, max_tokens=applied.max_tokens,
                                           seed=applied.seed, stop=applied.stop)
         # The parsers read the request's tools, tool choice and template kwargs, never its history: sending the
@@ -144,14 +139,19 @@ class CapturePipeline:
                                     "engine": sampled_by() or self.engine.url}
         if call.ignored:
             metadata["ignored_fields"] = call.ignored
+        prompt = prepared.prompt
+        metadata["rendered_by"] = prompt.rendered_by
+        if prompt.render_note is not None:
+            metadata["render"] = prompt.render_note
+        if prompt.render_mismatch is not None:
+            metadata["render_mismatch"] = prompt.render_mismatch
         spans = _version_spans(sample.spans, prepared.version_at_start)
         version = spans[0].version if spans else sample.policy_version if sample.policy_version is not None \
             else self.announced_version
-        prompt = prepared.prompt
         node_id = session.record(TurnCapture(
             prompt_text=prompt.ids.text, n_prompt=prompt.ids.count, completion_ids=sample.ids, logps=sample.logps,
             messages=prepared.messages, message_digests=prepared.message_digests, tools=prepared.tools, reply=reply,
-            sampling=prepared.sampling, rendered=fingerprint(prompt.rendered.text),
+            sampling=prepared.sampling, rendered=prompt.rendered,
             metadata=metadata, policy_version=version, version_spans=spans if len(spans) > 1 else [],
             finish_reason=finish, started_at=prepared.started,
             finished_at=finished, prompt_source=prompt.source, prefix_break=prompt.prefix_break))
@@ -161,39 +161,6 @@ class CapturePipeline:
                         logprobs=[SampledToken(i, lp) for i, lp in zip(sample.ids, sample.logps, strict=True)]
                         if call.logprobs else None)
         return answer, node_id
-
-    async def _prompt(self, session: Session, call: ChatCall, conversation: ChatRender, message_digests: bytes,
-                      tools_digest: int | None) -> Prompt:
-        """The prompt ids: the earlier turn's ids spliced with the new messages' rendering when the agent
-        continues one (token in, token out), else the engine's rendering of the whole conversation."""
-        continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
-            if self.config.tito else None
-        if continued is None:
-            full = await self.engine.render(conversation)
-            reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
-                                   session.graph.sequence, self.config.tito)
-            return Prompt(full, full, "rendered", reason)
-        node_id, reply_at = continued
-        closing, full = await asyncio.gather(self.engine.closing(), self.engine.render(conversation))
-        earlier = session.graph.sequence(node_id)
-        tail = None
-        if closing is not None:
-            end_of_turn, separator = closing
-            marker = token_text([end_of_turn]) + separator
-            tail = tail_after(session.replies.calls[node_id].rendered, full.text, marker)
-            if tail is None:  # the template re-rendered the earlier history: find the reply's end the long way
-                before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
-                                                 add_generation_prompt=False)
-                tail = splice_tail((await self.engine.render(before)).text, full.text, marker)
-        if tail is None or closing is None:
-            dropped = PrefixBreak(position=common_tokens(earlier, full.text), cause="template_dropped",
-                                  against=node_id)
-            return Prompt(full, full, "rendered", dropped)
-        last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
-        close = separator if last == str(end_of_turn).encode() else marker
-        ids = earlier + close + tail
-        count = session.graph.nodes[node_id].tokens + close.count(SEP) + tail.count(SEP)
-        return Prompt(Rendered(ids, count), full, "spliced")
 
 
 def new_answer_id() -> str:

@@ -3,11 +3,12 @@
 The pipeline's steps, streamed: the prompt is made as for any call; the engine samples with
 `stream: true`; the engine's own parsers read the growing answer (`TextReader`) and each reasoning
 or content delta goes to the agent at once. When the engine is done, the sample is checked as a whole
-(ids against logprobs, counts against the closing usage), the reply is read from all of its ids exactly
-as for a call that did not stream, and the turn is recorded; only then do the text not yet sent, the
-tool calls and the finish go out. Concatenated, the streamed text is the recorded reply, always: text
-the parsers let out early that the final reading disagrees with fails the call (the turn stays, with
-mask 0).
+(ids against logprobs, counts against the closing usage), the parsers read its last ids with the finish,
+and what they read in all is the reply (as vLLM's chat route answers a streaming request: no second,
+whole reading); the turn is recorded, and only then do the text not yet sent, the tool calls and the
+finish go out. Should a streaming read fail, the answer is read whole instead: concatenated, the
+streamed text is the recorded reply, always, so text the parsers let out early that the whole reading
+disagrees with fails the call (the turn stays, with mask 0).
 
 The call runs on its own task, apart from the agent's connection. When the agent leaves, `left` is set:
 the generation is cut short (the engine stops generating when its stream is closed) and what was sampled
@@ -42,20 +43,26 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
     answer_id = answer_id or new_answer_id()
     reader = TextReader(engine, prepared.parsing, prompt, prepared.stops, pipeline.config.stream_read_s,
                         lambda kind, text: emit(Text(kind, text)))
-    async with SampleStream(engine, prompt, prepared.params) as stream:
-        emit(Opened(AnswerHead(id=answer_id, created=int(prepared.started), model=call.model,
-                               prompt_tokens=prompt.count)))
-        reading = asyncio.ensure_future(reader.run())
-        try:
-            cut = await _follow(stream, reader, left)
-        finally:
+    reading = asyncio.ensure_future(reader.run())
+    read_whole = False
+    try:
+        async with SampleStream(engine, prompt, prepared.params) as stream:
+            emit(Opened(AnswerHead(id=answer_id, created=int(prepared.started), model=call.model,
+                                   prompt_tokens=prompt.count)))
+            cut, last = await _follow(stream, reader, left)
+        if cut and not stream.ids:
+            raise ProxyError(499, "the agent left before the engine sampled a token; nothing was recorded")
+        sample = stream.partial() if cut else stream.sample()
+        if not cut:
+            reader.finish(last[:-1] if sample.ends_with_stop_token else last, sample.finish_reason)
+            read_whole = await reading
+    finally:
+        if not reading.done():
             reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
-    if cut and not stream.ids:
-        raise ProxyError(499, "the agent left before the engine sampled a token; nothing was recorded")
-    sample = stream.partial() if cut else stream.sample()
-    reply = await pipeline.read(prepared, sample)
+    # the streaming reads are the answer; when they stopped short (or the agent left), it is read whole
+    reply = reader.reply(sample.stop_reason) if not cut and read_whole else await pipeline.read(prepared, sample)
     rest = {"reasoning": _rest(reader.sent["reasoning"], reply.reasoning), "content": _rest(reader.sent["content"],
                                                                                           reply.content)}
     answer, node_id = pipeline.record(session, call, harness, prepared, sample, reply, answer_id)
@@ -71,26 +78,31 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
     emit(Finished(answer, node_id))
 
 
-async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event) -> bool:
-    """Hand each step's ids to the reader until the stream ends; True when the agent left first."""
-    steps = aiter(stream.steps())
+async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event) -> tuple[bool, list[int]]:
+    """Hand each step's ids to the reader until the stream ends: (True when the agent left first, the last step's
+    ids, which the reader gets with the finish once the sample is checked)."""
+    async def feed() -> list[int]:
+        last: list[int] = []
+        async for ids in stream.steps():
+            if stream.finish_reason is None:
+                reader.feed(ids)
+            else:
+                last = ids
+        return last
+
+    feeding = asyncio.ensure_future(feed())
     leaving = asyncio.ensure_future(left.wait())
     try:
-        while True:
-            step = asyncio.ensure_future(anext(steps, None))
-            await asyncio.wait((step, leaving), return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await step
-                return True
-            ids = step.result()
-            if ids is None:
-                return False
-            if stream.finish_reason is None:  # the last step's ids (a stop token maybe) are read with the whole
-                reader.feed(ids)
+        await asyncio.wait((feeding, leaving), return_when=asyncio.FIRST_COMPLETED)
+        if not feeding.done():
+            feeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeding
+            return True, []
+        return False, feeding.result()
     finally:
         leaving.cancel()
+        feeding.cancel()
 
 
 def _rest(sent: str, final: str | None) -> str | None:

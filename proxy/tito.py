@@ -95,11 +95,31 @@ class Remembered:
 
 
 class ReplyIndex:
-    """A session's answered calls by request, newest last."""
+    """A session's answered calls by request, newest last; and how its spliced prompts are rendered.
+
+    `renders_suffix` stays True while rendering the new messages alone agrees with rendering the whole
+    conversation (`proxy.prompts`); `check_due` spaces those checks out to about `budget` tokens a turn.
+    """
 
     def __init__(self) -> None:
         self.calls: dict[str, Remembered] = {}
         self._by_request: dict[bytes, list[str]] = {}
+        self.renders_suffix = True
+        self._check_credit: int | None = None  # None: nothing checked yet
+
+    def check_due(self, tokens: int, budget: int | None) -> bool:
+        """Whether this turn's suffix rendering is checked against the whole conversation of `tokens` tokens:
+        the first, then every turn while the conversation is at most `budget` tokens long, every N-th when N
+        times longer (so the checks cost about `budget` tokens a turn, however long the conversation grows);
+        `None`: every turn, 0: never."""
+        if budget is None:
+            return True
+        credit = tokens if self._check_credit is None else min(self._check_credit + budget, tokens)
+        self._check_credit = credit
+        if budget and credit >= tokens:
+            self._check_credit = 0
+            return True
+        return False
 
     def add(self, node_id: str, remembered: Remembered) -> None:
         self.calls[node_id] = remembered

@@ -42,11 +42,9 @@ VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processe
              "--return-tokens-as-token-ids --generation-config vllm` (`harness-rl serve vllm` does)")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
-# Two one-message replies the template renders alike but for their text: what follows the text in
-# both is how the template closes an assistant turn (the end-of-turn token, then a separator).
-_PROBE = [{"role": "user", "content": "hi"}]
-_PROBE_REPLIES = ("A", "B")
-
+# A one-message conversation. Two replies to it the template renders alike but for their text: what follows
+# the text in both is how the template closes an assistant turn (the end-of-turn token, then a separator).
+PROBE = msgspec.Raw(b'{"role":"user","content":"hi"}')
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -113,6 +111,7 @@ class EngineClient:
         self.max_reply_bytes = max_reply_bytes
         self.vocab_size = vocab_size
         self.max_model_len: int | None = None
+        self.model_root: str | None = None
         self._described = False
         self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -143,6 +142,7 @@ class EngineClient:
                 self._described = True
                 self.model = self.model or card.id
                 self.max_model_len = card.max_model_len
+                self.model_root = card.root
                 self.vocab_size = self.vocab_size or card.vocab_size
         return self.model or None
 
@@ -218,8 +218,8 @@ class EngineClient:
         """
         if self._closing is None:
             renders = await asyncio.gather(*(self.render(ChatRender(
-                messages=[msgspec.Raw(_ENCODER.encode(m)) for m in [*_PROBE, {"role": "assistant", "content": r}]],
-                add_generation_prompt=False)) for r in _PROBE_REPLIES))
+                messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
+                add_generation_prompt=False)) for r in "AB"))
             a, b = (r.text.split(b",")[:-1] for r in renders)
             shared = 0
             while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:

@@ -76,6 +76,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.drift = False
     fake.drop_reasoning = False
     fake.open_thinking = False
+    fake.numbered_tools = False
     fake.token_delay_s = 0.0
     fake.stream_leak = None
     fake.usage_offset = 0
@@ -83,6 +84,9 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.aborted.clear()
     fake.derender_steps.clear()
     fake.ranks.clear()
+    fake.stream_fail_after = None
+    fake.whole_derenders = 0
+    fake.routes.clear()
     return fake
 
 
@@ -93,7 +97,7 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
     from proxy.config import ProxyConfig
 
     with serve_proxy(ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"),
-                                 retries=2)) as running:
+                                 retries=2, splice_check_tokens=None)) as running:  # every splice checked
         yield running
 
 

@@ -15,7 +15,7 @@ import contextlib
 import json
 import threading
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,8 @@ from aiohttp import web
 IM_START, IM_END, TOOL_CALL, DRIFT, THINK = 1, 2, 3, 4, 5
 ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 TOOLS_ID = 14
+TOOL_NUMBER = 1_100_000  # past every text id
+PROBE_MESSAGE = {"role": "user", "content": "hi"}  # what the proxy renders new messages behind (proxy.upstream.PROBE)
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -67,6 +69,7 @@ class FakeEngine:
     drift: bool = False
     drop_reasoning: bool = False  # like Qwen3: an assistant's reasoning is rendered only in the last message
     open_thinking: bool = False  # the generation prompt opens a thought the rendered replies do not hold
+    numbered_tools: bool = False  # like templates that number tool results across the whole conversation
     script: deque[Scripted] = field(default_factory=deque)
     requests: list[dict[str, Any]] = field(default_factory=list)  # generate bodies
     conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
@@ -80,7 +83,13 @@ class FakeEngine:
     ranks: list[str | None] = field(default_factory=list)  # each generate's X-data-parallel-rank header
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
+    model_dir: str | None = None  # render with this model's tokenizer and chat template (as vLLM would), and say so
+    routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
+    render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
+    stream_fail_after: int | None = None  # streaming derender: fail every call after this many
+    whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
+    _template: Any = None
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
     _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
 
@@ -94,11 +103,17 @@ class FakeEngine:
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
                add_generation_prompt: bool = True) -> list[int]:
+        if self.model_dir is not None:
+            return self._model_render(messages, tools, add_generation_prompt) + self.render_extra
         out: list[int] = []
         if tools:
             out += [IM_START, TOOLS_ID, *self._ids(_ENCODER.encode(tools).decode()), IM_END]
+        tool_results = 0
         for index, m in enumerate(messages):
             out += [IM_START, ROLE_IDS.get(m.get("role"), 15)]
+            if m.get("role") == "tool" and self.numbered_tools:
+                out.append(TOOL_NUMBER + tool_results)
+                tool_results += 1
             if m.get("role") == "assistant":
                 out += [DRIFT] if self.drift else []
                 out += self.assistant_ids(m, reasoning=not self.drop_reasoning or index == len(messages) - 1)
@@ -136,10 +151,34 @@ class FakeEngine:
         self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message
         return message, completion, finish
 
+    def _model_render(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+                      add_generation_prompt: bool) -> list[int]:
+        """The model's own template and tokenizer, shaped as vLLM shapes messages (the proxy's local renderer, which
+        is checked against vLLM elsewhere: here it only has to be fast and deterministic)."""
+        from proxy.capture import token_ids
+        from proxy.local_render import LocalTemplate
+        from proxy.upstream import ChatRender
+
+        if self._template is None:
+            self._template = LocalTemplate.load(str(self.model_dir))
+        request = ChatRender(messages=[msgspec.Raw(_ENCODER.encode(m)) for m in messages],
+                             tools=msgspec.Raw(_ENCODER.encode(tools)) if tools else None,
+                             add_generation_prompt=add_generation_prompt)
+        rendered = self._template.render(request, "string")
+        if rendered is None:
+            raise ValueError("the model's template declined these messages")
+        return token_ids(rendered.text)
+
+    @property
+    def whole_conversations(self) -> list[dict[str, Any]]:
+        """The render bodies of whole conversations (the proxy's renders of new messages alone, behind its one-message
+        probe conversation, left out)."""
+        return [body for body in self.conversations if body["messages"][:1] != [PROBE_MESSAGE]]
+
     # ---------------------------------------------------------------- HTTP
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 2**20)
+        app = web.Application(client_max_size=256 * 2**20, middlewares=[self._count])
         app.router.add_post("/v1/chat/completions", self._chat)  # for the direct baseline and OpenEnv's proxy
         app.router.add_post("/v1/chat/completions/render", self._render)
         app.router.add_post("/inference/v1/generate", self._generate)
@@ -149,6 +188,7 @@ class FakeEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_get("/get_world_size", self._world_size)
+        app.router.add_get("/stats", self._stats)
         return app
 
     async def _world_size(self, request: web.Request) -> web.Response:
@@ -168,11 +208,13 @@ class FakeEngine:
     def _headers(self) -> dict[str, str]:
         return {"x-policy-version": str(self.version)} if self.version is not None else {}
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
         scripted = self.script.popleft() if self.script else None
         prompt = self.render(body["messages"], body.get("tools"))
         message, completion, finish = self.sample(prompt, scripted)
+        if body.get("stream"):
+            return await self._chat_stream(request, message, completion, finish)
         choice: dict[str, Any] = {"index": 0, "message": message, "stop_reason": None,
                                   "finish_reason": "tool_calls" if message.get("tool_calls") else finish}
         reply: dict[str, Any] = {"id": f"chatcmpl-{len(prompt)}", "object": "chat.completion", "created": 1,
@@ -186,6 +228,25 @@ class FakeEngine:
             choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": logprob_of(t), "bytes": None,
                                                "top_logprobs": []} for t in completion]}
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers())
+
+    async def _chat_stream(self, request: web.Request, message: dict[str, Any], completion: list[int],
+                           finish: str) -> web.StreamResponse:
+        """The chat route streaming (the direct baseline of streaming agents): a chunk per sampled token."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sent = ""
+        for count in range(1, len(completion) + 1):
+            _, content = self._text(message, count)
+            last = count == len(completion)
+            delta: dict[str, Any] = {"content": content[len(sent):]} if content[len(sent):] else {}
+            if last and message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            sent = content
+            chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish if last else None}]}
+            await response.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
 
     async def _render(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
@@ -260,17 +321,24 @@ class FakeEngine:
         return response
 
     async def _derender_step(self, body: dict[str, Any]) -> web.Response:
-        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token)."""
-        ids = body["generate_chunk"]["choices"][0]["token_ids"]
+        """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token);
+        the finishing step adds the tool calls, whole."""
+        choice = body["generate_chunk"]["choices"][0]
+        ids = choice["token_ids"]
         self.derender_steps.append(ids)
+        if self.stream_fail_after is not None and len(self.derender_steps) > self.stream_fail_after:
+            return web.Response(status=400, content_type="application/json",
+                                body=_ENCODER.encode({"error": {"message": "scripted derender failure"}}))
         message = self._streamed[tuple(body["prompt_token_ids"])]["message"]
         before = (body.get("stream_state") or {}).get("count", 0)
         (r0, c0), (r1, c1) = self._text(message, before), self._text(message, before + len(ids))
         delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
         if self.stream_leak and delta["content"]:
             delta["content"] += self.stream_leak
+        if choice.get("finish_reason") and message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         chunk = {"id": "chatcmpl-derendered", "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason")}]}
         return web.Response(body=_ENCODER.encode({"chunk": chunk, "stream_state": {"count": before + len(ids)}}),
                             content_type="application/json")
 
@@ -292,6 +360,7 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if body.get("stream"):
             return await self._derender_step(body)
+        self.whole_derenders += 1
         choice = body["generate_response"]["choices"][0]
         message = self._sampled.get(tuple(choice["token_ids"])) or self._cut_short(choice["token_ids"])
         if message is None:
@@ -307,9 +376,17 @@ class FakeEngine:
         return web.Response(body=_ENCODER.encode({"count": len(ids), "max_model_len": 1 << 20, "tokens": ids}),
                             content_type="application/json")
 
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.routes[request.path] += 1
+        return await handler(request)
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.Response(body=b'{"object":"list","data":[{"id":"fake","object":"model"}]}',
-                            content_type="application/json")
+        card = {"id": "fake", "object": "model", **({"root": self.model_dir} if self.model_dir else {})}
+        return web.Response(body=_ENCODER.encode({"object": "list", "data": [card]}), content_type="application/json")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.Response(body=_ENCODER.encode(dict(self.routes)), content_type="application/json")
 
 
 def _prefix(text: str, tokens: int) -> str:
@@ -357,10 +434,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--hold-generate", action="store_true",
                         help="never answer a generate; print 'generate' when one arrives (a crash mid-call)")
+    parser.add_argument("--model-dir", help="render with this model's tokenizer and chat template")
     args = parser.parse_args()
 
     async def serve() -> None:
-        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate)
+        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate, model_dir=args.model_dir)
         runner, url = await start_fake_engine(fake, port=args.port)
         print(url, flush=True)
         await asyncio.Event().wait()

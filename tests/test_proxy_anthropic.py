@@ -58,7 +58,7 @@ def test_messages_translate_to_chat_and_back(fake_proxy: RunningProxy, fake_engi
     assert tool_use["id"].startswith("toolu_")
     assert answer["stop_reason"] == "tool_use"
     assert answer["usage"]["input_tokens"] > 0 and answer["usage"]["output_tokens"] > 0
-    sent = fake_engine.conversations[-1]
+    sent = fake_engine.whole_conversations[-1]
     assert sent["messages"][:3] == [{"role": "system", "content": "You are Claude Code.\nBe careful."},
                                     {"role": "system", "content": "Inner system note."},
                                     {"role": "user", "content": "List files."}]
@@ -75,7 +75,7 @@ def test_messages_translate_to_chat_and_back(fake_proxy: RunningProxy, fake_engi
     fake_engine.script.append(Scripted(content="It is a.py."))
     second = post(agent, "/v1/messages", claude_code_body(messages)).json()
     assert second["content"] == [{"type": "text", "text": "It is a.py."}] and second["stop_reason"] == "end_turn"
-    sent = fake_engine.conversations[-1]["messages"]
+    sent = fake_engine.whole_conversations[-1]["messages"]
     assert sent[3] == {"role": "assistant", "reasoning": "look first",
                        "tool_calls": [{"id": tool_use["id"], "type": "function",
                                        "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}

@@ -125,7 +125,7 @@ def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake
     got = post(agent, first, "streamGenerateContent")
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/event-stream")
     (chunk,) = chunks(got.text)
-    sent = fake_engine.conversations[-1]
+    sent = fake_engine.whole_conversations[-1]
     assert sent["messages"] == [
         {"role": "system", "content": first["systemInstruction"]["parts"][0]["text"]},
         {"role": "user", "content": [{"type": "text", "text": p["text"]} for p in first["contents"][0]["parts"]]}]
@@ -147,7 +147,7 @@ def test_gemini_cli_requests_translate_and_splice(fake_proxy: RunningProxy, fake
     final = chunks(post(agent, second, "streamGenerateContent").text)
     assert "".join(p["text"] for c in final for p in c["candidates"][0]["content"]["parts"]) == "Wrote hello.txt."
     assert final[-1]["candidates"][0]["finishReason"] == "STOP" and "usageMetadata" in final[-1]
-    sent = fake_engine.conversations[-1]["messages"]
+    sent = fake_engine.whole_conversations[-1]["messages"]
     assert sent[2]["tool_calls"][0]["id"] == call_id
     assert sent[3] == {"role": "tool", "tool_call_id": call_id,
                        "content": second["contents"][2]["parts"][0]["functionResponse"]["response"]["output"]}
@@ -194,7 +194,7 @@ def test_generation_config_tool_config_and_google_schemas(fake_proxy: RunningPro
                                  "stopSequences": ["END"], "responseMimeType": "text/plain"},
             "safetySettings": []}
     assert post(agent, body).status_code == 200
-    sent = fake_engine.conversations[-1]
+    sent = fake_engine.whole_conversations[-1]
     assert sent["messages"][0] == {"role": "system", "content": "one\ntwo"}
     assert sent["tools"][0]["function"]["parameters"] == {
         "type": "object", "required": ["cmd"],

@@ -108,7 +108,7 @@ def test_codex_requests_translate_and_splice(fake_proxy: RunningProxy, fake_engi
     got = post(agent, first)
     assert got.status_code == 200 and got.headers["content-type"].startswith("text/event-stream")
     stream = events(got.text)
-    sent = fake_engine.conversations[-1]
+    sent = fake_engine.whole_conversations[-1]
     assert [m["role"] for m in sent["messages"]] == ["system", "system", "user", "user"]
     assert sent["messages"][1]["content"] == [{"type": "text", "text": p["text"]}
                                               for p in first["input"][1]["content"]]
@@ -129,7 +129,7 @@ def test_codex_requests_translate_and_splice(fake_proxy: RunningProxy, fake_engi
     second["input"][5]["call_id"] = done[0]["call_id"]
     fake_engine.script.append(Scripted(content="Wrote hello.txt."))
     assert fixture_call["type"] == "function_call" and post(agent, second).status_code == 200
-    sent = fake_engine.conversations[-1]["messages"]
+    sent = fake_engine.whole_conversations[-1]["messages"]
     assert sent[4]["tool_calls"][0]["id"] == done[0]["call_id"]
     assert sent[5] == {"role": "tool", "tool_call_id": done[0]["call_id"], "content": second["input"][5]["output"]}
     t1, t2 = agent.trace().turns
@@ -193,7 +193,7 @@ def test_previous_response_id_continues_within_the_session(fake_proxy: RunningPr
     second = post(agent, {"model": "m", "instructions": "Be kind.", "input": "more",
                           "previous_response_id": first["id"]}).json()
     assert second["output"][0]["content"][0]["text"] == "More."
-    assert fake_engine.conversations[-1]["messages"] == [
+    assert fake_engine.whole_conversations[-1]["messages"] == [
         {"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "more"}]
     t1, t2 = agent.trace().turns
@@ -215,7 +215,7 @@ def test_tools_flat_namespaced_and_hosted(fake_proxy: RunningProxy, fake_engine:
             "tools": tools, "tool_choice": {"type": "function", "name": "exec_command"}, "temperature": 0.5,
             "max_output_tokens": 7, "store": False}
     assert post(agent, body).status_code == 200
-    sent = fake_engine.conversations[-1]
+    sent = fake_engine.whole_conversations[-1]
     assert sent["tools"] == [
         {"type": "function", "function": {"name": "exec_command", "description": "run", "parameters": schema,
                                           "strict": False}},

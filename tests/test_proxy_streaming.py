@@ -1,6 +1,6 @@
 """Streaming from the engine, against the fake engine: text reaches the agent while the engine samples, in every
 dialect; the sample is checked and the turn recorded before the finish goes out; text the parsers let out that
-the final reading disagrees with, or a sample that fails its checks, is an error event; an agent that leaves
+a whole reading disagrees with, or a sample that fails its checks, is an error event; an agent that leaves
 cuts the generation short and its turn stays as context with mask 0."""
 
 from __future__ import annotations
@@ -106,8 +106,18 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     assert turn.reply.content == WORDS and turn.delivered and sum(turn.loss_mask) == len(turn.completion_token_ids)
     request = fake_engine.requests[-1]
     assert request["stream"] is True and request["stream_options"] == {"include_usage": True}
+    # the parsers read every sampled id but the closing stop token, once, and their reads are the reply
     steps = [i for ids in fake_engine.derender_steps for i in ids]
-    assert steps == turn.completion_token_ids[:len(steps)] and len(steps) < len(turn.completion_token_ids)
+    assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
+
+
+def test_an_answer_sampled_at_once_is_read_once(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    agent = Agent(fake_proxy)
+    fake_engine.script.append(Scripted(content="A short answer."))
+    blocks, _ = stream(*_request("openai_chat", agent, "talk"))
+    assert "".join(_openai(block) for _, block in blocks) == "A short answer."
+    assert len(fake_engine.derender_steps) == 1 and fake_engine.whole_derenders == 0  # one read, with the finish
+    assert fake_engine.routes["/inference/v1/generate"] == 1
 
 
 def test_a_streamed_tool_call_sent_back_as_received_splices(fake_proxy: RunningProxy,
@@ -159,11 +169,24 @@ def test_an_agent_that_leaves_cuts_the_generation_and_its_turn_is_context(dialec
     assert (turn.reply.content or "") and (WORDS * 5).startswith(turn.reply.content or "")
 
 
-def test_text_the_final_reading_disagrees_with_is_an_error_and_the_turn_stays_as_context(
+def test_a_failed_streaming_read_leaves_the_answer_to_a_whole_reading(fake_proxy: RunningProxy,
+                                                                       fake_engine: FakeEngine) -> None:
+    agent = Agent(fake_proxy)
+    fake_engine.token_delay_s = 0.01
+    fake_engine.stream_fail_after = 1
+    fake_engine.script.append(Scripted(content=WORDS))
+    blocks, _ = stream(*_request("openai_chat", agent, "talk"))
+    assert "".join(_openai(block) for _, block in blocks) == WORDS
+    (turn,) = agent.trace().turns
+    assert turn.reply.content == WORDS and turn.delivered and fake_engine.whole_derenders == 1
+
+
+def test_text_the_whole_reading_disagrees_with_is_an_error_and_the_turn_stays_as_context(
         fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     agent = Agent(fake_proxy)
     fake_engine.token_delay_s = 0.01
-    fake_engine.stream_leak = "<tool"
+    fake_engine.stream_leak = "<tool"  # the first read lets out text, then the reads fail: the answer is read whole
+    fake_engine.stream_fail_after = 1
     fake_engine.script.append(Scripted(content=WORDS))
     blocks, _ = stream(*_request("openai_chat", agent, "talk"))
     assert "error" in blocks[-1][1] and "does not hold" in blocks[-1][1]["error"]["message"]

@@ -20,6 +20,7 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
+from proxy.tito import ReplyIndex
 
 TASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"}]
 
@@ -43,10 +44,12 @@ def assert_one_chain(trace: TrainingTrace, fake: FakeEngine) -> None:
     assert all(t.role == "agent" and t.prefix_break is None for t in turns)
     for parent, child in zip(turns, turns[1:], strict=False):
         assert child.parent_id == parent.node_id and child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
-        # what follows the sampled reply is exactly the template's rendering of the new messages
-        conversation = fake.conversations[turns.index(child)]
-        assert child.prompt_token_ids[len(parent.sequence):] == fake.render(
-            conversation["messages"], conversation["tools"])[-len(child.prompt_token_ids) + len(parent.sequence):]
+        # what follows the sampled reply is exactly the template's rendering of the new messages, rendered alone
+        # and checked against the whole conversation's rendering on every turn
+        whole = fake.render(child.request.messages, child.request.tools)
+        assert child.prompt_token_ids[len(parent.sequence):] == whole[-len(child.prompt_token_ids)
+                                                                      + len(parent.sequence):]
+        assert child.metadata["render"] == "suffix, checked"
 
 
 @pytest.mark.parametrize("drift", [False, True])
@@ -189,3 +192,53 @@ def test_splicing_costs_one_render_more_and_no_more_engine_calls(fake_proxy: Run
     assert len(fake_engine.requests) == 3  # one generate per turn
     got = httpx.get(f"{fake_proxy.url}/sessions/{agent.session['id']}/trace?format=full", headers=agent.admin)
     assert [t["prompt_source"] for t in got.json()["turns"]] == ["rendered", "spliced", "spliced"]
+
+
+def test_a_spliced_turn_renders_only_the_reply_and_the_messages_after_it(fake_engine_server: tuple,
+                                                                          fake_engine: FakeEngine,
+                                                                          tmp_path: Path) -> None:
+    config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path), splice_check_tokens=0)
+    with serve_proxy(config) as running:
+        agent = Agent(running)
+        converse(agent, fake_engine, 6)
+        turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered"] + ["spliced"] * 5
+    assert [t.metadata.get("render") for t in turns] == [None] + ["suffix"] * 5  # never checked
+    for parent, child in zip(turns, turns[1:], strict=False):  # the same ids as the whole rendering's tail
+        whole = fake_engine.render(child.request.messages, child.request.tools)
+        new = len(child.prompt_token_ids) - len(parent.sequence)
+        assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
+        assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
+        assert whole[len(whole) - new - 1] == IM_END  # right after the reply's closing
+    # every render after the first turn's: the probe, the reply and the one tool result after it, however long
+    # the conversation has grown (the probe's own rendering and the template's closing are learned once)
+    sizes = [len(body["messages"]) for body in fake_engine.conversations]
+    assert sizes[0] == len(TASK) and sizes[1:] == [3] * 5
+
+
+def test_a_template_that_renders_a_message_by_its_place_is_caught_and_the_session_renders_whole(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    fake_engine.numbered_tools = True  # a tool result renders with its number in the whole conversation
+    agent = Agent(fake_proxy)
+    converse(agent, fake_engine, 4)
+    turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered"] + ["spliced"] * 3
+    assert [t.parent_id for t in turns[1:]] == [t.node_id for t in turns[:-1]]
+    for parent, child in zip(turns, turns[1:], strict=False):  # the prompts are the template's all the same
+        whole = fake_engine.render(child.request.messages, child.request.tools)
+        new = len(child.prompt_token_ids) - len(parent.sequence)
+        assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
+    # the second tool result alone renders as the first: seen at the check on turn 3, rendered whole from then on
+    assert [t.metadata.get("render") for t in turns] == [None, "suffix, checked", "whole", "whole"]
+    assert "differ from the end of the whole conversation" in turns[2].metadata["render_mismatch"]
+    assert "render_mismatch" not in turns[3].metadata
+
+
+def test_checks_cost_about_the_budget_per_turn_however_long_the_conversation_grows() -> None:
+    index = ReplyIndex()
+    due = [index.check_due(tokens, 1000) for tokens in [500] * 3 + [4000] * 8]
+    assert due == [True] * 3 + [False, False, False, True] * 2
+    later = ReplyIndex()  # the first splice is checked however long the conversation already is
+    assert [later.check_due(4000, 1000) for _ in range(5)] == [True, False, False, False, True]
+    assert not any(ReplyIndex().check_due(100, 0) for _ in range(5))  # 0: never
+    assert all(ReplyIndex().check_due(10**6, None) for _ in range(5))  # None: always

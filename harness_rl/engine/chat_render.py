@@ -1,5 +1,6 @@
 """Chat messages → prompt token ids, as vLLM renders them (template text, then encode without
-special tokens; assistant tool-call arguments are parsed from JSON first, as vLLM does)."""
+special tokens; assistant tool-call arguments are parsed from JSON first, anything but a JSON object
+becoming `{}`, as vLLM 0.32 does)."""
 
 import json
 from typing import Any
@@ -13,14 +14,21 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
     calls = []
     for call in message["tool_calls"]:
         function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                function["arguments"] = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
+        function["arguments"] = _arguments(function.get("arguments"))
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
+
+
+def _arguments(arguments: Any) -> Any:
+    """A JSON object, as vLLM 0.32 hands arguments to the template: parsed from their text; missing, empty, not
+    JSON or not an object, an empty object (vLLM keeps the conversation going rather than fail every turn)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) and arguments else None
+    except json.JSONDecodeError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def _normalise_tool(tool: dict[str, Any]) -> dict[str, Any]:

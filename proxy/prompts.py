@@ -1,0 +1,253 @@
+"""The prompt ids of one agent call: spliced onto the earlier turn it continues, or rendered whole.
+
+Token in, token out (`proxy.tito`) sends an agent's earlier replies back as the ids the engine sampled,
+so a call that continues one needs only the rendering of what follows the reply. That part is rendered
+alone, at a cost that does not grow with the conversation: the reply and the messages after it, behind a
+one-message probe (`PROBE`), with the call's tools and template arguments; the new messages' rendering
+is what follows the reply's closing. The probe's own rendering (`head`) is learned once per tool set and
+must open every such suffix, so a template that renders the probe differently once more follows is seen
+at once.
+
+Most templates render a message the same wherever it sits; not all do (one that numbers tool calls
+across the conversation, one that moves the system prompt next to the last user message). So on a sample
+of turns, about `check_tokens` of the whole conversation's tokens per turn (every turn of a short
+conversation, one in N of a conversation N times longer), the whole conversation is rendered too and
+the suffix's tail must be where the whole rendering ends. A difference, or a suffix the engine cannot
+render, makes that turn use the whole rendering, records why on the turn (`render_note`), and the
+session renders whole from then on. Whatever was rendered, the turn records the ids that were sampled
+from, so a trace is exact either way; the check keeps the prompt what the template would make.
+
+With the model's tokenizer and template at hand (`proxy.local_render`), renders are made in the proxy
+instead, the engine's rendering of the whole conversation serving as the check; when they disagree, the
+proxy's renderer is turned off and the engine renders the new messages again before the template is
+blamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import msgspec
+
+from harness_rl.trace import PrefixBreak, PromptSource
+from proxy.capture import SEP, token_text
+from proxy.chat import ChatCall
+from proxy.errors import ProxyError
+from proxy.local_render import LocalRendering, LocalTemplate, LocalTemplateError
+from proxy.session import Session
+from proxy.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
+from proxy.upstream import PROBE, ChatRender, EngineClient, Rendered
+
+log = logging.getLogger(__name__)
+AUTO = "auto"
+MAX_HEADS = 256  # probe renderings kept, one per distinct tool set and template arguments
+_ENCODER = msgspec.json.Encoder()
+
+SUFFIX = "suffix"  # the new messages rendered alone, unchecked
+CHECKED = "suffix, checked"  # ... and equal to the whole conversation's rendering
+WHOLE = "whole"  # the whole conversation rendered (this session renders whole)
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    ids: Rendered  # what the engine samples from
+    source: PromptSource
+    prefix_break: PrefixBreak | None = None
+    rendered: tuple[int, int] | None = None  # `tito.fingerprint` of the whole conversation's rendering, if made
+    render_note: str | None = None  # how a spliced prompt's new messages were rendered (SUFFIX, CHECKED, WHOLE)
+    render_mismatch: str | None = None  # why a rendering made alone, or in the proxy, was not used
+    rendered_by: str = "engine"  # or "proxy"
+
+
+class PromptMaker:
+    """Makes each call's prompt ids (see the module's docstring); with `local`, renders in the proxy where it can."""
+
+    def __init__(self, engine: EngineClient, *, tito: bool, check_tokens: int | None,
+                 local_render: str | None = None) -> None:
+        self.engine = engine
+        self.tito = tito
+        self.check_tokens = check_tokens
+        self.local_render = local_render  # a model directory, "auto" (the engine's, if readable here) or None
+        self.local: LocalRendering | None = None
+        self._loading = asyncio.Lock()
+        self._heads: dict[tuple[bool, bytes], Rendered] = {}
+
+    async def make(self, session: Session, call: ChatCall, conversation: ChatRender, message_digests: bytes,
+                   tools_digest: int | None) -> Prompt:
+        continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
+            if self.tito else None
+        if continued is None:
+            full, mismatch, by = await self._rendered_whole(conversation)
+            reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
+                                   session.graph.sequence, self.tito)
+            return Prompt(full, "rendered", reason, rendered=fingerprint(full.text), render_mismatch=mismatch,
+                          rendered_by=by)
+        node_id, reply_at = continued
+        closing = await self.engine.closing()
+        if closing is None:
+            return await self._unspliced(session, node_id, conversation)
+        marker = token_text([closing[0]]) + closing[1]
+        earlier = session.graph.sequence(node_id)
+        replies = session.replies
+        if not replies.renders_suffix:
+            return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE)
+        local = await self._local_ready()
+        check = replies.check_due(session.graph.nodes[node_id].tokens, self.check_tokens) or (
+            local and self.local is not None and self.local.warming)
+        (tail, why), whole = await asyncio.gather(self._suffix_tail(conversation, reply_at, marker, local),
+                                                  self._render_if(check, conversation))
+        if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
+            why = _mismatch(whole.text, tail)
+        if why is not None and local:  # the proxy's own rendering may be what differs: ask the engine, then blame
+            self._local_disagrees(why)
+            local = False
+            (tail, why) = await self._suffix_tail(conversation, reply_at, marker, False)
+            if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
+                why = _mismatch(whole.text, tail)
+        if why is not None or tail is None:
+            replies.renders_suffix = False
+            return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE, why, whole)
+        if local and whole is not None and self.local is not None:
+            self.local.checked += 1
+        prompt = _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
+                          rendered=fingerprint(whole.text) if whole is not None else None)
+        return msgspec.structs.replace(prompt, rendered_by="proxy" if local else "engine")
+
+    async def _rendered_whole(self, conversation: ChatRender) -> tuple[Rendered, str | None, str]:
+        """The whole conversation's prompt ids, rendered here when the proxy can (and checked against the engine's
+        as `LocalRendering.check_due` says; the engine's when they differ)."""
+        local = self.local.render(conversation) if await self._local_ready() and self.local is not None else None
+        if local is None:
+            return await self.engine.render(conversation), None, "engine"
+        assert self.local is not None
+        if not self.local.check_due():
+            return local, None, "proxy"
+        full = await self.engine.render(conversation)
+        if full.text == local.text:
+            self.local.checked += 1
+            return local, None, "proxy"
+        mismatch = (f"rendered in the proxy ({local.count} tokens), the conversation differs from the engine's "
+                    f"rendering ({full.count} tokens) after {common_tokens(full.text, local.text)} tokens")
+        self._local_disagrees(mismatch)
+        return full, mismatch, "engine"
+
+    async def _suffix_tail(self, conversation: ChatRender, reply_at: int, marker: bytes,
+                           local: bool) -> tuple[bytes | None, str | None]:
+        """The rendering of the messages after the reply at `reply_at`, rendered alone; or None and why not."""
+        suffix = msgspec.structs.replace(conversation, messages=[PROBE, *conversation.messages[reply_at:]])
+        try:
+            head, rendered = await asyncio.gather(self._head(conversation, local), self._render(suffix, local))
+        except ProxyError as exc:
+            if exc.status >= 500:
+                raise
+            return None, f"the engine cannot render the new messages alone: {exc.message}"
+        if not rendered.text.startswith(head.text):
+            return None, "the template renders the probe differently when more messages follow it"
+        at = (SEP + rendered.text).find(SEP + marker, len(head.text))
+        if at < 0:
+            return None, "the reply rendered alone has no closing"
+        return rendered.text[at + len(marker):], None
+
+    async def _render(self, request: ChatRender, local: bool) -> Rendered:
+        """Rendered in the proxy when asked and it can, else by the engine."""
+        rendered = self.local.render(request) if local and self.local is not None else None
+        return rendered if rendered is not None else await self.engine.render(request)
+
+    async def _render_if(self, wanted: bool, conversation: ChatRender) -> Rendered | None:
+        return await self.engine.render(conversation) if wanted else None
+
+    async def _head(self, conversation: ChatRender, local: bool) -> Rendered:
+        """The probe's rendering with this call's tools and template arguments (learned once per set)."""
+        key = (local, _ENCODER.encode(msgspec.structs.replace(conversation, messages=[])))
+        head = self._heads.get(key)
+        if head is None:
+            head = await self._render(msgspec.structs.replace(conversation, messages=[PROBE],
+                                                              add_generation_prompt=False), local)
+            if len(self._heads) >= MAX_HEADS:
+                self._heads.clear()
+            self._heads[key] = head
+        return head
+
+    async def _local_ready(self) -> bool:
+        """Whether renders are made in the proxy; the first call loads the files and asks the engine to agree (once,
+        while other calls wait: an engine that cannot answer leaves it to the next call)."""
+        if self.local_render is not None:
+            async with self._loading:
+                if self.local_render is not None:
+                    local = await self._load_local(self.local_render)
+                    if local is not None:
+                        await local.ready()
+                    self.local, self.local_render = local, None
+        return self.local is not None and self.local.usable
+
+    async def _load_local(self, source: str) -> LocalRendering | None:
+        """The tokenizer and template to render with: `source`, or with "auto" the engine's model directory."""
+        if source == AUTO:
+            await self.engine.served_model()
+            if not self.engine.model_root or not Path(self.engine.model_root, "tokenizer.json").is_file():
+                return None
+            source = self.engine.model_root
+        try:
+            template = await asyncio.to_thread(LocalTemplate.load, source)  # a large tokenizer takes a while
+        except (LocalTemplateError, OSError, ValueError) as exc:
+            log.warning("prompts are rendered by the engine, not in the proxy: %s", exc)
+            return None
+        log.info("prompts are rendered in the proxy with %s's tokenizer and chat template", source)
+        return LocalRendering(template, self.engine)
+
+    def _local_disagrees(self, why: str) -> None:
+        if self.local is not None:
+            self.local.turn_off(f"its rendering differs from the engine's: {why}")
+
+    async def _whole(self, session: Session, node_id: str, reply_at: int, conversation: ChatRender, earlier: bytes,
+                     closing: tuple[int, bytes], note: str, mismatch: str | None = None,
+                     full: Rendered | None = None) -> Prompt:
+        """Splice with the tail of the whole conversation's rendering (rendered here unless given)."""
+        full = full or await self.engine.render(conversation)
+        marker = token_text([closing[0]]) + closing[1]
+        tail = tail_after(session.replies.calls[node_id].rendered, full.text, marker)
+        if tail is None:  # the template re-rendered the earlier history: find the reply's end the long way
+            before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
+                                             add_generation_prompt=False)
+            tail = splice_tail((await self.engine.render(before)).text, full.text, marker)
+        if tail is None:
+            dropped = PrefixBreak(position=common_tokens(earlier, full.text), cause="template_dropped",
+                                  against=node_id)
+            return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text), render_mismatch=mismatch)
+        return _spliced(session, node_id, earlier, closing, tail, note, fingerprint(full.text), mismatch)
+
+    async def _unspliced(self, session: Session, node_id: str, conversation: ChatRender) -> Prompt:
+        """The engine cannot say how its template closes a turn: render whole, the chain broken where it breaks."""
+        full = await self.engine.render(conversation)
+        dropped = PrefixBreak(position=common_tokens(session.graph.sequence(node_id), full.text),
+                              cause="template_dropped", against=node_id)
+        return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text))
+
+
+def _spliced(session: Session, node_id: str, earlier: bytes, closing: tuple[int, bytes], tail: bytes, note: str,
+             rendered: tuple[int, int] | None = None, mismatch: str | None = None) -> Prompt:
+    """earlier prompt + sampled completion + the template's closing + the new messages' rendering."""
+    end_of_turn, separator = closing
+    last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
+    close = separator if last == str(end_of_turn).encode() else token_text([end_of_turn]) + separator
+    count = session.graph.nodes[node_id].tokens + close.count(SEP) + tail.count(SEP)
+    return Prompt(Rendered(earlier + close + tail, count), "spliced", rendered=rendered, render_note=note,
+                  render_mismatch=mismatch)
+
+
+def _ends_with_tail(full: bytes, tail: bytes, marker: bytes) -> bool:
+    """Whether the whole rendering ends with `tail` right after a turn's closing, on a token boundary."""
+    head = full[:len(full) - len(tail)]
+    return full.endswith(tail) and head.endswith(marker) and (len(head) == len(marker)
+                                                              or head[-len(marker) - 1:-len(marker)] == SEP)
+
+
+def _mismatch(full: bytes, tail: bytes) -> str:
+    """Where the new messages rendered alone stop matching the end of the whole conversation's rendering."""
+    n_tail, n_full = tail.count(SEP), full.count(SEP)
+    reversed_tail = SEP.join(tail.split(SEP)[-2::-1]) + SEP
+    reversed_full = SEP.join(full.split(SEP)[-2::-1]) + SEP
+    same_end = common_tokens(reversed_tail, reversed_full)
+    return (f"the new messages rendered alone ({n_tail} tokens) differ from the end of the whole conversation's "
+            f"rendering ({n_full} tokens): the last {same_end} tokens agree")

@@ -1,0 +1,194 @@
+"""Prompts rendered in the proxy with the model's own tokenizer.json and chat template (`proxy.local_render`):
+the same ids as the engine's rendering (the embedded engine here, vLLM in test_vllm_suffix.py), never used when
+the files are not what the engine runs, and one engine round trip fewer per call."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from fake_engine import FakeEngine, run_fake_engine
+from proxy_agent import TOOLS, Agent
+
+from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
+from harness_rl.run.stack import serve_proxy
+from harness_rl.trace import TrainingTrace
+from proxy.config import ProxyConfig
+from proxy.local_render import LocalRendering, LocalTemplate
+from proxy.upstream import ChatRender, EngineClient, Rendered
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls -la"}'}}
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ünïcödé 😀 <tool_call> <|im_start|>x"}],
+    [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}],
+    [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\nb.txt"},
+     {"role": "tool", "tool_call_id": "call_2",
+      "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}],
+    [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok", "reasoning": "think"},
+     {"role": "user", "content": "more"}],
+    [{"role": "user", "content": "go"}, {"role": "assistant", "content": "x", "tool_calls": [
+        {**CALL, "function": {"name": "bash", "arguments": "not json"}}]}],
+]
+
+
+@pytest.fixture(scope="module")
+def loaded_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_loaded_tokenizer(tiny_model_dir, tmp_path_factory.mktemp("loaded") / "tiny-0")
+
+
+def request(messages: list[dict[str, Any]], tools: list[Any] | None, generation: bool = True) -> ChatRender:
+    return ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in messages],
+                      add_generation_prompt=generation,
+                      tools=msgspec.Raw(msgspec.json.encode(tools)) if tools else None)
+
+
+async def both(model_dir: Path, url: str, requests: list[ChatRender]) -> tuple[LocalRendering,
+                                                                           list[tuple[Rendered | None, Rendered]]]:
+    engine = EngineClient(url, timeout_s=60, retries=0)
+    await engine.start()
+    try:
+        local = LocalRendering(LocalTemplate.load(model_dir), engine)
+        await local.ready()
+        return local, [(local.render(r), await engine.render(r)) for r in requests]
+    finally:
+        await engine.close()
+
+
+def test_the_proxy_renders_every_conversation_as_the_engine_does(loaded_dir: Path, engine_url: str) -> None:
+    requests = [request(c, tools, generation) for c in CONVERSATIONS for tools in (None, TOOLS)
+                for generation in (True, False)]
+    local, renders = asyncio.run(both(loaded_dir, engine_url, requests))
+    assert local.off is None and local.format == "string"  # the embedded engine hands contents over as sent
+    for ours, engines in renders:
+        assert ours is not None and ours == engines
+
+
+def test_a_tokenizer_file_that_is_not_what_the_engine_loads_is_never_used(tiny_model_dir: Path,
+                                                                          engine_url: str) -> None:
+    # the tiny model's own tokenizer.json lacks the normalizer and pre-tokenizer transformers gives Qwen2's class
+    local, renders = asyncio.run(both(tiny_model_dir, engine_url, [request(CONVERSATIONS[3], TOOLS)]))
+    assert local.off is not None and "probe conversation differs" in local.off
+    assert renders == [(None, renders[0][1])]
+
+
+def test_pieces_between_added_tokens_encode_as_the_whole_text(loaded_dir: Path) -> None:
+    template = LocalTemplate.load(loaded_dir)
+    specials = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "\n", " ", "  "]
+    words = ["def", " f(x):", "ünï", "😀", "\n\n", "12345", "return", "<|im_sta", "rt|>", "é", "\t", "x"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(specials if rng.random() < 0.3 else words) for _ in range(rng.randrange(1, 40)))
+        assert template.encode(text) == template.tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+    {"role": "developer", "content": "rules"},
+    {"role": "system", "content": "x-anthropic-billing-header: cc_version=1\nBe brief."},
+])
+def test_what_vllm_shapes_otherwise_is_left_to_the_engine(loaded_dir: Path, message: dict[str, Any]) -> None:
+    template = LocalTemplate.load(loaded_dir)
+    assert template.render(request([message, {"role": "user", "content": "go"}], None), "string") is None
+    assert template.render(request([{"role": "user", "content": "go"}], None), "string") is not None
+
+
+@pytest.fixture
+def model_engine(loaded_dir: Path) -> Iterator[tuple[FakeEngine, str]]:
+    """A fast fake engine rendering with the tiny model's tokenizer and template, and naming its directory."""
+    fake = FakeEngine(model_dir=str(loaded_dir))
+    with run_fake_engine(fake) as url:
+        yield fake, url
+
+
+def test_with_the_models_files_at_hand_a_call_is_generate_and_derender(model_engine: tuple[FakeEngine, str],
+                                                                        tmp_path: Path) -> None:
+    fake, url = model_engine
+    config = ProxyConfig(upstream=url, store_dir=str(tmp_path), splice_check_tokens=0)  # local_render: auto
+    with serve_proxy(config) as proxy:
+        admin = {"Authorization": f"Bearer {proxy.admin_token}"}
+        session = httpx.post(f"{proxy.url}/sessions", headers=admin, json={}).json()
+        auth = {"Authorization": f"Bearer {session['key']}"}
+        messages: list = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "list files"}]
+        calls: list[dict[str, int]] = []
+        for step in range(12):
+            before = dict(fake.routes)
+            got = httpx.post(f"{session['openai_base_url']}/chat/completions", headers=auth, timeout=30,
+                             json={"model": "m", "messages": messages, "tools": TOOLS})
+            assert got.status_code == 200, got.text
+            calls.append({route: n - before.get(route, 0) for route, n in fake.routes.items()
+                          if n > before.get(route, 0)})
+            messages += [got.json()["choices"][0]["message"],
+                         {"role": "tool", "tool_call_id": f"call_{step}", "content": f"file{step}.txt"}]
+        turns = TrainingTrace.from_json(httpx.get(f"{proxy.url}/sessions/{session['id']}/trace",
+                                                  headers=admin).content).validate().turns
+    # the first eight renders made in the proxy are checked by the engine's; after that, two calls per agent call
+    assert all(call.get("/v1/chat/completions/render") for call in calls[:8])
+    assert calls[8:] == [{"/inference/v1/generate": 1, "/v1/chat/completions/derender": 1}] * 4
+    for parent, child in zip(turns, turns[1:], strict=False):
+        assert child.prompt_source == "spliced" and child.parent_id == parent.node_id
+        whole = fake.render(child.request.messages, child.request.tools)
+        new = len(child.prompt_token_ids) - len(parent.sequence)
+        assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
+
+
+def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[FakeEngine, str],
+                                                            tmp_path: Path) -> None:
+    fake, url = model_engine
+    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path))) as proxy:
+        agent = Agent(proxy)
+        assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
+        fake.render_extra = [7]  # the server's template changed under the proxy
+        assert agent.chat([{"role": "user", "content": "two"}]).status_code == 200
+        renders = fake.routes["/v1/chat/completions/render"]
+        assert agent.chat([{"role": "user", "content": "three"}]).status_code == 200
+        renders = fake.routes["/v1/chat/completions/render"] - renders
+        one, two, three = agent.trace().turns
+    assert one.metadata["rendered_by"] == "proxy" and "render_mismatch" not in one.metadata
+    assert two.metadata["rendered_by"] == "engine" and "differs from the engine's" in two.metadata["render_mismatch"]
+    assert two.prompt_token_ids == fake.render(two.request.messages, None)  # the engine's ids, its extra one too
+    assert three.metadata["rendered_by"] == "engine" and renders == 1  # rendered by the engine from then on
+
+
+def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    script = "\n".join([
+        "import sys, msgspec",
+        "from proxy.local_render import LocalTemplate",
+        "from proxy.upstream import ChatRender",
+        f"template = LocalTemplate.load({str(loaded_dir)!r})",
+        "messages = [msgspec.Raw(msgspec.json.encode({'role': 'user', 'content': 'hi'}))]",
+        "rendered = template.render(ChatRender(messages=messages, add_generation_prompt=True), 'openai')",
+        "assert rendered is not None and rendered.count > 3",
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_many_first_calls_at_once_load_the_files_once(model_engine: tuple[FakeEngine, str], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_engine[0].render([{"role": "user", "content": "hi"}], None)  # the fake engine has loaded its own copy
+    loads: list[str] = []
+    load = LocalTemplate.load
+    monkeypatch.setattr(LocalTemplate, "load", classmethod(lambda cls, model_dir: loads.append(model_dir) or load(
+        model_dir)))
+    with serve_proxy(ProxyConfig(upstream=model_engine[1], store_dir=str(tmp_path))) as proxy:
+        agents = [Agent(proxy) for _ in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda agent: agent.chat([{"role": "user", "content": "hi"}]).status_code, agents))
+        turns = [turn for agent in agents for turn in agent.trace().turns]
+    assert statuses == [200] * 16 and len(loads) == 1
+    assert {turn.metadata["rendered_by"] for turn in turns} == {"proxy"}
