@@ -231,7 +231,7 @@ class AgentRoutes:
                       answered: Callable[[Answer], None] | None = None) -> web.StreamResponse:
         """Capture the call and answer it, under the id its dialect refers back to (`answered` learns it)."""
         await self.engine.served_model()  # learns the engine's context size once it serves
-        check_max_tokens(call, self.engine.max_model_len)
+        check_max_tokens(call, self.engine.max_model_len, session.opened.max_tokens_per_turn)
         renderer = RENDERERS[call.dialect]
         bind_session(session)  # this call's engine requests go to the session's engine (proxy.engines)
         gate = self.pipeline.gate

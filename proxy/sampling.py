@@ -77,15 +77,21 @@ def call_seed(session_seed: int, call: int) -> int:
     return int.from_bytes(digest[:4], "big") >> 1
 
 
-def check_max_tokens(call: ChatCall, context: int | None) -> None:
-    """Refuse (400) an output budget longer than the engine's whole context (`context`; None: unknown).
+def check_max_tokens(call: ChatCall, context: int | None, session_cap: int | None = None) -> None:
+    """Refuse (400) an output budget no engine could honour: longer than the engine's whole context
+    (`context`; None: unknown, then longer than any context).
 
     vLLM's chat route refuses such a request; its token-in generate route clamps it silently, so the
-    proxy refuses it before anything is sent or recorded, as the agent's API would.
+    proxy refuses it before anything is sent or recorded, as the agent's API would. A session the run
+    capped (`session_cap`) asks the engine for at most its cap, so an agent's larger request within any
+    context (kimi-code asks for 131,072 tokens whatever the model) is capped there, not refused.
     """
     requested = call.knobs.max_tokens
+    if requested is None:
+        return
+    capped = min(requested, session_cap) if session_cap is not None and requested <= CONTEXT_CEILING else requested
     limit = context if context is not None else CONTEXT_CEILING
-    if requested is not None and requested > limit:
+    if capped > limit:
         where = f"the engine's {context}-token context" if context is not None else f"{limit} tokens"
         raise ProxyError(400, f"{MAX_TOKENS_FIELDS[call.dialect]}: {requested} is more than {where} (prompt and "
                               "completion together); request fewer output tokens")

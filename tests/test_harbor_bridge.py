@@ -21,7 +21,7 @@ import pytest
 
 from adapters.harbor_bridge.catalog import API_FORMATS, CATALOG
 from adapters.harbor_bridge.host import serve_runner
-from adapters.harbor_bridge.install import harbor_python
+from adapters.harbor_bridge.install import InstallError, find_python, harbor_python
 from adapters.harbor_bridge.protocol import MAX_LINE
 from adapters.harnesses import Endpoint, create_harness
 from adapters.sandboxes.base import SandboxError
@@ -85,6 +85,27 @@ async def main(socket, local):
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
+
+
+def test_a_pyenv_shim_that_cannot_run_is_passed_over_for_pyenvs_own_interpreter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pyenv shim for python3.12 is on PATH but fails while another version is selected (so Harbor was never
+    installed on a machine like this one): the interpreter under `$PYENV_ROOT/versions` is taken instead."""
+    shims, root = tmp_path / "shims", tmp_path / "pyenv"
+    shims.mkdir()
+    (shims / "python3.12").write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
+    real = root / "versions" / "3.12.1" / "bin" / "python3.12"
+    real.parent.mkdir(parents=True)
+    real.write_text("#!/bin/sh\necho 3.12\n")
+    for script in (shims / "python3.12", real):
+        script.chmod(0o755)
+    monkeypatch.delenv("HARNESS_RL_PYTHON312", raising=False)
+    monkeypatch.setenv("PATH", f"{shims}:/usr/bin:/bin")
+    monkeypatch.setenv("PYENV_ROOT", str(root))
+    assert find_python("3.12") == str(real)
+    real.unlink()
+    with pytest.raises(InstallError, match=r"Python 3\.12 is needed and not found: .* HARNESS_RL_PYTHON312"):
+        find_python("3.12")
 
 
 @pytest.mark.slow  # Harbor imports all 49 agent modules

@@ -61,6 +61,32 @@ def test_only_the_adapter_trains_and_a_sync_sends_the_merged_weights_under_the_b
         assert (plain(input_ids=x).logits - learner.model(input_ids=x).logits).abs().max() < 1e-5
 
 
+def test_an_adapter_on_the_output_head_trains(model_dir: Path) -> None:
+    """The learner computes logits from the head's weight (in chunks, float32): with an adapter on the head that
+    weight is W + s·B·A, so the head's adapter gets gradients (its B starts at zero) and the sent weights agree."""
+    learner = Learner(model_dir, config(lora_rank=4, learning_rate=1e-2, lora_target_modules=["all-linear", "lm_head"]))
+    head = learner.lora.layers["lm_head"]
+    assert not head.lora_B["default"].weight.any()
+    learner.step(make_groups(2, seed=1))
+    learner.step(make_groups(2, seed=2))
+    assert head.lora_B["default"].weight.abs().max() > 1e-3
+    sent = dict(learner.weights)
+    assert torch.allclose(sent["lm_head.weight"], head.get_base_layer().weight + head.get_delta_weight("default"),
+                          atol=1e-7)
+
+
+def test_an_adapter_on_a_head_tied_to_the_embeddings_is_refused(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    tied = build_tiny_lm(tmp_path / "tied")
+    settings = AutoConfig.from_pretrained(tied)
+    settings.tie_word_embeddings = True
+    settings.save_pretrained(tied)
+    with pytest.raises(ValueError, match="output head is tied to its input embeddings"):
+        Learner(tied, config(lora_rank=4, lora_target_modules=["all-linear", "lm_head"]))
+    Learner(tied, config(lora_rank=4))  # all-linear leaves the head out
+
+
 def test_the_adapter_is_written_in_peft_format_and_peft_loads_it(model_dir: Path, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -132,6 +158,10 @@ def test_lora_settings_are_checked_before_anything_starts(tiny_model_dir: Path) 
     with pytest.raises(ConfigError, match="--weight-sync: lora syncs a LoRA adapter: set --lora-rank"):
         check(resolve({"preset": "demo", "engine": {"engine": "http://127.0.0.1:9", "model": str(tiny_model_dir),
                                                     "weight_sync": "lora"}}))
+    with pytest.raises(ConfigError, match="--lora-target-modules: vLLM serves LoRA adapters on a model's inner "
+                                          "layers, not on its output head"):
+        check(resolve({"preset": "demo", "engine": {"engine": "http://127.0.0.1:9", "model": str(tiny_model_dir)},
+                       "learner": {"lora_rank": 8, "lora_target_modules": ["all-linear", "lm_head"]}}))
     launch = vllm_launch(tiny_model_dir, python="python", cuda=False, lora_rank=5)
     assert launch.command[launch.command.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in launch.command
     assert launch.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"

@@ -824,6 +824,18 @@ def test_max_tokens_beyond_the_engine_context_is_400_in_each_dialect_and_never_r
     assert [t.sampling.max_tokens for t in turns_of(agent.proxy, agent.session["id"]) if t.sampling] == [4096]
 
 
+def test_a_session_the_run_capped_takes_a_larger_request_within_any_context_at_its_cap(
+        start: Callable[..., RunningProxy], hostile: HostileEngine) -> None:
+    """kimi-code asks for 131,072 output tokens whatever the model: a run that caps each call runs it at the cap."""
+    hostile.faults.card = {"max_model_len": 4096}
+    agent = Agent(start(), max_tokens_per_turn=64)
+    assert agent.chat(MESSAGES, max_tokens=131_072).status_code == 200
+    for value in (2**31, 10**12):  # no context is that long: refused, capped or not
+        got = agent.chat(MESSAGES, max_tokens=value)
+        assert got.status_code == 400 and f"{value} is more than the engine's 4096-token context" in got.text
+    assert [t.sampling.max_tokens for t in turns_of(agent.proxy, agent.session["id"]) if t.sampling] == [64]
+
+
 def test_max_tokens_beyond_any_context_is_400_when_the_engine_does_not_say_its_own(
         start: Callable[..., RunningProxy]) -> None:
     agent = Agent(start())

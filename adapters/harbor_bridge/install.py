@@ -46,15 +46,27 @@ def harbor_python(tools_dir: Path) -> Path:
 
 
 def find_python(minor: str) -> str:
-    """An interpreter of this minor version: `$HARNESS_RL_PYTHON<major><minor>`, `python<minor>`, or pyenv's."""
-    named = os.environ.get(f"HARNESS_RL_PYTHON{minor.replace('.', '')}") or shutil.which(f"python{minor}")
-    if named:
-        return named
-    found = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{minor}.*/bin/python{minor}")))
-    if found:
-        return found[-1]
+    """An interpreter of this minor version that runs: `$HARNESS_RL_PYTHON<major><minor>`, `python<minor>` on
+    PATH, or one of pyenv's versions (a pyenv shim on PATH fails unless that version is selected, so each
+    candidate is tried)."""
+    variable = f"HARNESS_RL_PYTHON{minor.replace('.', '')}"
+    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    candidates = [os.environ.get(variable), shutil.which(f"python{minor}"),
+                  *reversed(sorted(glob.glob(f"{pyenv_root}/versions/{minor}.*/bin/python{minor}")))]
+    for candidate in candidates:
+        if candidate and _runs_as(candidate, minor):
+            return candidate
     raise InstallError(f"Python {minor} is needed and not found: install python{minor} (apt-get, pyenv or "
-                       f"`uv python install {minor}`), or point HARNESS_RL_PYTHON{minor.replace('.', '')} at one")
+                       f"`uv python install {minor}`), or point {variable} at one")
+
+
+def _runs_as(python: str, minor: str) -> bool:
+    try:
+        done = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True, timeout=60)
+    except OSError:
+        return False
+    return done.returncode == 0 and done.stdout.strip() == minor
 
 
 def _run(argv: list[str], what: str, env: dict[str, str] | None = None) -> None:

@@ -39,6 +39,11 @@ class Lora:
             r=config.lora_rank, lora_alpha=config.lora_alpha or 2 * config.lora_rank, lora_dropout=0.0,
             target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
             task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        if head is not None and getattr(model.config, "tie_word_embeddings", False) and any(
+                name.split(".")[-1] in targets for name, module in model.named_modules() if module is head):
+            raise ValueError("--lora-target-modules: this model's output head is tied to its input embeddings, so an "
+                             "adapter on the head would change both; leave the head out")
         inject_adapter_in_model(self.config, model, adapter_name=ADAPTER_NAME)
         for name, param in model.named_parameters():
             param.requires_grad_(is_adapter_parameter(name))

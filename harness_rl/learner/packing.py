@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from harness_rl.learner.lora import ADAPTER_NAME, merged
 from harness_rl.learner.samples import Sample
 
 if TYPE_CHECKING:
@@ -146,9 +147,7 @@ def packed_logprobs(
         hidden = model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                   use_cache=False).last_hidden_state[0]
     selected = hidden.index_select(0, batch.target_index)
-    head = model.get_output_embeddings()
-    weight = head.weight if head.weight.dtype == torch.float32 else head.weight.float()
-    bias = None if getattr(head, "bias", None) is None else head.bias.float()
+    weight, bias = output_head(model)
     logps, entropies = [], []
     for start in range(0, selected.shape[0], chunk_size):
         end = start + chunk_size
@@ -160,6 +159,18 @@ def packed_logprobs(
         empty = selected.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logps), torch.cat(entropies)
+
+
+def output_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output head's weight and bias in float32. A head carrying a LoRA adapter (peft) computes with
+    W + s·B·A, taken here from its parts, so that the adapter on the head trains."""
+    head = model.get_output_embeddings()
+    bias = None if getattr(head, "bias", None) is None else head.bias.float()
+    if hasattr(head, "base_layer") and ADAPTER_NAME in getattr(head, "lora_A", {}):
+        weight = merged(head, head.base_layer.weight.float(), head.lora_A[ADAPTER_NAME].weight,
+                        head.lora_B[ADAPTER_NAME].weight)
+        return weight, None if head.base_layer.bias is None else head.base_layer.bias.float()
+    return head.weight.float(), bias
 
 
 class PackedPolicy(torch.nn.Module):

@@ -146,6 +146,11 @@ def _check_learner(config: RunConfig) -> None:
         raise ConfigError("--weight-sync", "lora syncs a LoRA adapter: set --lora-rank")
     if learner.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora-rank", "LoRA needs peft: pip install 'harness-rl[train]'")
+    if (learner.lora_rank and "lm_head" in learner.lora_target_modules and config.engine.kind != "embedded"
+            and config.engine.weight_sync in ("auto", "lora")):
+        raise ConfigError("--lora-target-modules", "vLLM serves LoRA adapters on a model's inner layers, not on its "
+                                                   "output head: leave lm_head out, or sync merged weights "
+                                                   "(--weight-sync reload, nccl or gloo)")
 
 
 def _check_output(config: RunConfig) -> None:
