@@ -189,8 +189,11 @@ def test_train_one_step_with_a_bridged_agent(name: str, tmp_path: Path) -> None:
     agent = CATALOG[name]
     config = tmp_path / "run.toml"
     options = "".join(f'{key} = "{value}"\n' for key, value in agent.sandbox.items())
+    # terminus-2 keeps asking after the proxy's turn budget answers (its own limit is a million episodes), until
+    # the agent's time limit: Harbor's `max_turns` option stops it with the run's
+    own = "[rollouts.harness_options]\nmax_turns = 3\n" if name == "terminus-2" else ""
     config.write_text("[rollouts]\nnum_generations = 2\nmax_concurrent_rollouts = 2\nmax_turns = 3\n"
-                      f"agent_timeout_s = 300\n[rollouts.sandbox_options]\n{options}")
+                      f"agent_timeout_s = 300\n{own}[rollouts.sandbox_options]\n{options}")
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "train", "--config", str(config), "--harness",
                            f"harbor:{name}", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out)],
