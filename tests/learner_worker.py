@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from harness_rl.learner.config import LearnerConfig, LossConfig
+from harness_rl.learner.distributed import leave
 from harness_rl.learner.learner import Learner
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.trace import TrainingTrace, Turn
@@ -50,9 +51,16 @@ def main() -> None:
     config = LearnerConfig(learning_rate=1e-3, token_budget=256, max_steps=10, lora_rank=args.lora_rank,
                            lr_scheduler="linear", warmup_steps=1, loss=LossConfig(normalization=args.normalization))
     learner = Learner(args.model_dir, config, seed=3, output_dir=args.out)
-    if not learner.ranks.leader:
-        learner.follow()
-        return
+    try:
+        if learner.ranks.leader:
+            lead(learner, args)
+        else:
+            learner.follow()
+    finally:
+        leave()  # as `train` does: a process leaving with its gloo group alive can abort at exit
+
+
+def lead(learner: Learner, args: argparse.Namespace) -> None:
     if args.resume:
         learner.load(args.resume)
     losses = {}

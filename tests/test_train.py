@@ -131,8 +131,11 @@ def _checkpoint_state(path: Path) -> dict:
 @pytest.mark.parametrize("save_every", [1, 0])
 def test_ctrl_c_closes_every_session_and_sandbox_and_keeps_the_checkpoint(tmp_path: Path, save_every: int) -> None:
     out = tmp_path / "run"
+    # A shell without job control starts background commands with SIGINT ignored, and Python then never turns
+    # it into KeyboardInterrupt: the run starts with SIGINT's default, as from a terminal
     process = subprocess.Popen([*TRAIN, "--output-dir", str(out), "--max-steps", "1000", "--save-every",
-                                str(save_every)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                str(save_every)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in process.stdout:  # type: ignore[union-attr]
             if line.startswith("step 2 "):
