@@ -8,6 +8,7 @@ length, a few steps, the losses and a checkpoint (model exported) written by ran
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -50,14 +51,18 @@ def main() -> None:
     args = parser.parse_args()
     config = LearnerConfig(learning_rate=1e-3, token_budget=256, max_steps=10, lora_rank=args.lora_rank,
                            lr_scheduler="linear", warmup_steps=1, loss=LossConfig(normalization=args.normalization))
-    learner = Learner(args.model_dir, config, seed=3, output_dir=args.out)
     try:
-        if learner.ranks.leader:
-            lead(learner, args)
-        else:
-            learner.follow()
+        run(Learner(args.model_dir, config, seed=3, output_dir=args.out), args)
     finally:
-        leave()  # as `train` does: a process leaving with its gloo group alive can abort at exit
+        gc.collect()
+        leave()  # as `train` does, once the learner is gone: a gloo group torn down at exit can abort there
+
+
+def run(learner: Learner, args: argparse.Namespace) -> None:
+    if learner.ranks.leader:
+        lead(learner, args)
+    else:
+        learner.follow()
 
 
 def lead(learner: Learner, args: argparse.Namespace) -> None:
