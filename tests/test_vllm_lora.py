@@ -142,7 +142,8 @@ def test_train_with_a_lora_adapter_on_vllm_learns_and_checks_every_sync(warm_lor
           f"+ adapter {sizes['adapter'] / 1e3:.0f} kB (exported model {sizes['model'] / 1e6:.1f} MB); "
           f"{next(line for line in done.stderr.splitlines() if 'LoRA rank' in line)}")
     assert len(synced) == summary["policy_version"] >= 10 and max(synced) <= EXACT
-    # seeded (every rollout's sampling, in lockstep): seed 0 rose 0.352 -> 0.762 here; seeds 0-9, see the README
+    # seeded (every rollout's sampling, in lockstep): seed 0 rose 0.352 -> 0.762 here; over seeds 0-9 the rise was
+    # min +0.339, median +0.415, max +0.454
     assert summary["reward_last_steps"] >= summary["reward_first_steps"] + 0.2, summary
     assert (final / "adapter" / "adapter_config.json").is_file() and (final / "model" / "config.json").is_file()
     assert sizes["state"] + sizes["adapter"] < sizes["model"] / 5  # the frozen base is never checkpointed
