@@ -282,38 +282,35 @@ class AgentRoutes:
         writer: LiveStream | None = None
         try:
             while True:
-                event = await self._next_event(request, events, renderer, response)
-                if isinstance(event, web.StreamResponse):  # keep-alives opened the stream
-                    response = event
+                first = await self._next_event(request, events, renderer, response)
+                if isinstance(first, web.StreamResponse):  # keep-alives opened the stream
+                    response = first
                     continue
-                if isinstance(event, Exception):
-                    if response is None:
-                        raise event
-                    error = event if isinstance(event, ProxyError) else ProxyError(500, f"proxy failure: {event!r}")
-                    await response.write(renderer.stream_error(error))
-                    await response.write_eof()
-                    return response
-                if response is None:
-                    response = web.StreamResponse(headers=SSE_HEADERS)
-                    await response.prepare(request)
-                if isinstance(event, Opened):
-                    writer = renderer.live(event.head, call)
-                    await _write(response, writer.open())
-                elif isinstance(event, Text):
-                    assert writer is not None
-                    await _write(response, writer.text(event.kind, event.text))
-                else:
-                    assert writer is not None
-                    if answered:
-                        answered(event.answer)
-                    try:
-                        await _write(response, writer.finish(event.answer))
-                        await response.write_eof()
-                    except ConnectionResetError:
-                        log_left(request)
-                        if event.node_id is not None:
-                            session.mark_undelivered(event.node_id)
-                    return response
+                ready = bytearray()  # the events already waiting go out in one write (one send, not one each)
+                for event in (first, *_waiting(events)):
+                    if isinstance(event, Exception):
+                        if response is None:
+                            raise event
+                        error = event if isinstance(event, ProxyError) else ProxyError(500, f"proxy failure: {event!r}")
+                        await response.write_eof(bytes(ready + renderer.stream_error(error)))
+                        return response
+                    if response is None:  # the engine took the call: from here on, errors are events
+                        response = web.StreamResponse(headers=SSE_HEADERS)
+                        await response.prepare(request)
+                    if isinstance(event, Opened):
+                        writer = renderer.live(event.head, call)
+                        ready += writer.open()
+                    elif isinstance(event, Text):
+                        assert writer is not None
+                        ready += writer.text(event.kind, event.text)
+                    else:
+                        assert writer is not None
+                        if answered:
+                            answered(event.answer)
+                        return await _deliver(request, response, bytes(ready + writer.finish(event.answer)),
+                                              event.node_id, session)
+                if ready and response is not None:
+                    await response.write(bytes(ready))
         except (ConnectionResetError, asyncio.CancelledError):
             left.set()  # the capture cuts the generation short; the turn it records was never delivered
             capture.add_done_callback(lambda _: _undelivered(events, session))
@@ -347,34 +344,40 @@ class AgentRoutes:
     async def _reply(self, request: web.Request, call: ChatCall, renderer: Renderer, answer: Answer,
                      node_id: str | None, session: Session) -> web.StreamResponse:
         """Send a finished answer (as a stream when the agent asked for one); an undelivered turn keeps mask 0."""
-        response: web.StreamResponse
         if call.stream:
-            response = web.StreamResponse(headers=SSE_HEADERS)
-            payload = whole_stream(renderer.live(head_of(answer), call), answer)
-        else:
-            response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
-        try:
-            if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("the agent disconnected before its answer was ready")
-            if not response.prepared:
-                await response.prepare(request)
-            if call.stream:
-                await response.write(payload)
-            await response.write_eof()
-        except ConnectionResetError:
-            log_left(request)
-            if node_id is not None:
-                session.mark_undelivered(node_id)
-        except asyncio.CancelledError:
-            if node_id is not None:
-                session.mark_undelivered(node_id)
-            raise
-        return response
+            body = whole_stream(renderer.live(head_of(answer), call), answer)
+            return await _deliver(request, web.Response(body=body, headers=SSE_HEADERS), b"", node_id, session)
+        response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
+        return await _deliver(request, response, b"", node_id, session)
 
 
-async def _write(response: web.StreamResponse, data: bytes) -> None:
-    if data:
-        await response.write(data)
+async def _deliver(request: web.Request, response: web.StreamResponse, last: bytes, node_id: str | None,
+                   session: Session) -> web.StreamResponse:
+    """End `response` with `last` (a whole `web.Response` carries its body, headers and body in one send); an agent
+    gone by then leaves the turn undelivered (mask 0)."""
+    try:
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the agent disconnected before its answer was ready")
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write_eof(last)
+    except ConnectionResetError:
+        log_left(request)
+        if node_id is not None:
+            session.mark_undelivered(node_id)
+    except asyncio.CancelledError:
+        if node_id is not None:
+            session.mark_undelivered(node_id)
+        raise
+    return response
+
+
+def _waiting(events: asyncio.Queue[StreamEvent | Exception]) -> list[StreamEvent | Exception]:
+    """The events already in the queue, taken without waiting."""
+    taken: list[StreamEvent | Exception] = []
+    while not events.empty():
+        taken.append(events.get_nowait())
+    return taken
 
 
 def _undelivered(events: asyncio.Queue[StreamEvent | Exception], session: Session) -> None:

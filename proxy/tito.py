@@ -104,6 +104,7 @@ class ReplyIndex:
     def __init__(self) -> None:
         self.calls: dict[str, Remembered] = {}
         self._by_request: dict[bytes, list[str]] = {}
+        self._prefixes = _Prefix()  # every call's messages as a path of digests: `closest` walks it, not the calls
         self.renders_suffix = True
         self._check_credit: int | None = None  # None: nothing checked yet
 
@@ -124,6 +125,10 @@ class ReplyIndex:
     def add(self, node_id: str, remembered: Remembered) -> None:
         self.calls[node_id] = remembered
         self._by_request.setdefault(remembered.message_digests, []).append(node_id)
+        node, digests = self._prefixes, remembered.message_digests
+        for at in range(0, len(digests) - len(digests) % DIGEST, DIGEST):
+            node = node.children.setdefault(digests[at:at + DIGEST], _Prefix())
+            node.newest = node_id
 
     def continued_turn(self, messages: list[ChatMessage], message_digests: bytes,
                        tools_digest: int | None) -> tuple[str, int] | None:
@@ -143,13 +148,22 @@ class ReplyIndex:
         return None
 
     def closest(self, message_digests: bytes) -> tuple[str, int] | None:
-        """The (newest) earlier call sharing the most leading messages with this request, and how many."""
-        best: tuple[str, int] | None = None
-        for node_id, earlier in self.calls.items():
-            shared = common_messages(earlier.message_digests, message_digests)
-            if shared and (best is None or shared >= best[1]):
-                best = (node_id, shared)
-        return best
+        """The (newest) earlier call sharing the most leading messages with this request, and how many: a walk
+        down the request's messages, whatever the number of earlier calls."""
+        node, shared = self._prefixes, 0
+        while (child := node.children.get(message_digests[shared * DIGEST:(shared + 1) * DIGEST])) is not None:
+            node, shared = child, shared + 1
+        return (node.newest, shared) if shared else None
+
+
+class _Prefix:
+    """The calls whose messages begin with one sequence: the newest of them, and the messages that follow."""
+
+    __slots__ = ("children", "newest")
+
+    def __init__(self) -> None:
+        self.children: dict[bytes, _Prefix] = {}
+        self.newest = ""
 
 
 def explain_break(index: ReplyIndex, messages: list[ChatMessage], message_digests: bytes, tools_digest: int | None,

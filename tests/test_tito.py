@@ -20,7 +20,7 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.server import RunningProxy
-from proxy.tito import ReplyIndex
+from proxy.tito import DIGEST, Remembered, ReplyIndex
 
 TASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"}]
 
@@ -242,3 +242,18 @@ def test_checks_cost_about_the_budget_per_turn_however_long_the_conversation_gro
     assert [later.check_due(4000, 1000) for _ in range(5)] == [True, False, False, False, True]
     assert not any(ReplyIndex().check_due(100, 0) for _ in range(5))  # 0: never
     assert all(ReplyIndex().check_due(10**6, None) for _ in range(5))  # None: always
+
+
+def test_the_closest_earlier_call_is_the_newest_sharing_the_most_leading_messages() -> None:
+    def digests(*messages: str) -> bytes:
+        return b"".join(m.encode().ljust(DIGEST, b".") for m in messages)
+
+    index = ReplyIndex()
+    for node_id, messages in [("a", "sut"), ("b", "su"), ("c", "sux"), ("d", "sv"), ("e", "su")]:
+        index.add(node_id, Remembered(digests(*messages), None, None))
+    assert index.closest(digests(*"sutz")) == ("a", 3)  # only "a" shares three
+    assert index.closest(digests(*"suq")) == ("e", 2)  # a, b, c and e share two: the newest
+    assert index.closest(digests(*"sv")) == ("d", 2)
+    assert index.closest(digests(*"s")) == ("e", 1)  # a request shorter than the calls it matches
+    assert index.closest(digests(*"zsu")) is None  # nothing shared from the start
+    assert index.closest(b"") is None
