@@ -64,6 +64,9 @@ class Faults:
     card: dict[str, Any] = field(default_factory=dict)  # extra /v1/models fields (max_model_len, vocab_size)
 
 
+ENGINE_POSTS = ("/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender")
+
+
 @dataclass
 class HostileEngine(FakeEngine):
     """The fake engine, strict about model names as vLLM is (404), with `faults` injected into its answers."""
@@ -575,9 +578,12 @@ def test_7_close_or_delete_with_a_call_in_flight_writes_nothing_after(
     log = Path(proxy.proxy.config.store_dir) / f"{agent.session['id']}.jsonl"
     hostile.faults.delay_s = 0.6
     answers: list[httpx.Response] = []
+    at_engine = sum(hostile.routes[route] for route in ENGINE_POSTS)
     call = threading.Thread(target=lambda: answers.append(agent.chat(MESSAGES)))
     call.start()
-    time.sleep(0.2)  # the call is at the engine now
+    deadline = time.monotonic() + 30
+    while sum(hostile.routes[route] for route in ENGINE_POSTS) == at_engine and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the call is at the engine (each of its engine calls takes 0.6 s there)
     done = httpx.delete(session, headers=ADMIN) if action == "delete" else httpx.post(f"{session}/close",
                                                                                       headers=ADMIN)
     assert done.status_code == 200
