@@ -37,11 +37,13 @@ WARM_STEPS = 22
 
 @pytest.fixture(scope="module")
 def warm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model after 22 seeded steps of full fine-tuning on the embedded engine (reward about 0.1 -> 0.4),
-    exported as one HF model directory: a trained base for the adapter to start from."""
+    """The demo model after 22 seeded steps of full fine-tuning on the embedded engine, exported as one HF model
+    directory: a trained base for the adapter to start from. One rollout at a time: the embedded engine's numerics
+    depend on how it batches concurrent requests, and a flipped token at step 9 changed the base between runs."""
     out = tmp_path_factory.mktemp("warm") / "run"
     command = [sys.executable, "-m", "harness_rl", "train", "--preset", "demo", "--model", str(tiny_model_dir),
-               "--seed", "0", "--max-steps", str(WARM_STEPS), "--output-dir", str(out), "--report-to", "none"]
+               "--seed", "0", "--max-steps", str(WARM_STEPS), "--max-concurrent-rollouts", "1", "--output-dir",
+               str(out), "--report-to", "none"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
     return out / "checkpoints" / f"step-{WARM_STEPS:08d}" / "model"
@@ -142,8 +144,8 @@ def test_train_with_a_lora_adapter_on_vllm_learns_and_checks_every_sync(warm_lor
           f"+ adapter {sizes['adapter'] / 1e3:.0f} kB (exported model {sizes['model'] / 1e6:.1f} MB); "
           f"{next(line for line in done.stderr.splitlines() if 'LoRA rank' in line)}")
     assert len(synced) == summary["policy_version"] >= 10 and max(synced) <= EXACT
-    # seeded (every rollout's sampling, in lockstep): seed 0 rose 0.352 -> 0.762 here; over seeds 0-9 the rise was
-    # min +0.339, median +0.415, max +0.454
-    assert summary["reward_last_steps"] >= summary["reward_first_steps"] + 0.2, summary
+    # seeded (every rollout's sampling, in lockstep): seed 0 rose 0.212 -> 0.379 here (0.375 in a busy make test);
+    # seeds 1-3: +0.120, +0.143, +0.089. vLLM's batching keeps a run from being bit-exact, hence the margin.
+    assert summary["reward_last_steps"] >= summary["reward_first_steps"] + 0.05, summary
     assert (final / "adapter" / "adapter_config.json").is_file() and (final / "model" / "config.json").is_file()
     assert sizes["state"] + sizes["adapter"] < sizes["model"] / 5  # the frozen base is never checkpointed
