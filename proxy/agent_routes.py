@@ -280,37 +280,41 @@ class AgentRoutes:
         capture.add_done_callback(done)
         response: web.StreamResponse | None = None
         writer: LiveStream | None = None
+        unsent = bytearray()  # the stream's opening waits for its first text, so both go in one send
+        texts = False  # whether `unsent` holds text
         try:
             while True:
                 first = await self._next_event(request, events, renderer, response)
                 if isinstance(first, web.StreamResponse):  # keep-alives opened the stream
                     response = first
                     continue
-                ready = bytearray()  # the events already waiting go out in one write (one send, not one each)
-                for event in (first, *_waiting(events)):
+                for event in (first, *_waiting(events)):  # the events already waiting go out in one send
                     if isinstance(event, Exception):
-                        if response is None:
+                        if response is None and writer is None:  # nothing started: an error status
                             raise event
                         error = event if isinstance(event, ProxyError) else ProxyError(500, f"proxy failure: {event!r}")
-                        await response.write_eof(bytes(ready + renderer.stream_error(error)))
-                        return response
-                    if response is None:  # the engine took the call: from here on, errors are events
-                        response = web.StreamResponse(headers=SSE_HEADERS)
-                        await response.prepare(request)
+                        return await _end(request, response, bytes(unsent + renderer.stream_error(error)), None,
+                                          session)
                     if isinstance(event, Opened):
                         writer = renderer.live(event.head, call)
-                        ready += writer.open()
+                        unsent += writer.open()
                     elif isinstance(event, Text):
                         assert writer is not None
-                        ready += writer.text(event.kind, event.text)
+                        unsent += writer.text(event.kind, event.text)
+                        texts = True
                     else:
                         assert writer is not None
                         if answered:
                             answered(event.answer)
-                        return await _deliver(request, response, bytes(ready + writer.finish(event.answer)),
-                                              event.node_id, session)
-                if ready and response is not None:
-                    await response.write(bytes(ready))
+                        return await _end(request, response, bytes(unsent + writer.finish(event.answer)),
+                                          event.node_id, session)
+                if texts or response is not None and unsent:
+                    if response is None:
+                        response = _EventStream(headers=SSE_HEADERS)
+                        await response.prepare(request)
+                    await response.write(bytes(unsent))
+                    unsent.clear()
+                    texts = False
         except (ConnectionResetError, asyncio.CancelledError):
             left.set()  # the capture cuts the generation short; the turn it records was never delivered
             capture.add_done_callback(lambda _: _undelivered(events, session))
@@ -370,6 +374,20 @@ async def _deliver(request: web.Request, response: web.StreamResponse, last: byt
             session.mark_undelivered(node_id)
         raise
     return response
+
+
+class _EventStream(web.StreamResponse):
+    """A stream whose headers go with its first events, in one send (aiohttp's opt-in, as its `web.Response` has)."""
+
+    _send_headers_immediately = False
+
+
+async def _end(request: web.Request, response: web.StreamResponse | None, last: bytes, node_id: str | None,
+               session: Session) -> web.StreamResponse:
+    """End a stream with `last`; when nothing of it was sent yet, as one whole response."""
+    if response is None:
+        return await _deliver(request, web.Response(body=last, headers=SSE_HEADERS), b"", node_id, session)
+    return await _deliver(request, response, last, node_id, session)
 
 
 def _waiting(events: asyncio.Queue[StreamEvent | Exception]) -> list[StreamEvent | Exception]:

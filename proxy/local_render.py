@@ -14,9 +14,13 @@ system prompt carrying Claude Code's billing line), and the engine renders that 
 use, one probe conversation is rendered by the engine and here, in both content formats: the format
 that agrees is the engine's, and when neither agrees (another template, a `--chat-template` or
 `--default-chat-template-kwargs` on the server, a tokenizer.json that is not what transformers loads)
-the proxy never renders locally. Then its first `WARMUP_CHECKS` renders are all compared with the
-engine's, after that one whole conversation in `CHECK_EVERY` and the spliced turns `proxy.prompts`
-samples; one disagreement turns it off.
+the proxy never renders locally. Then a whole conversation rendered here is compared with the engine's
+rendering when it has a shape no compared conversation had (`shape_of`: the messages' roles and kinds of
+content, next to which others, with which tools and template arguments), else one in `CHECK_EVERY`;
+a spliced turn's new messages while the first `WARMUP_CHECKS` renders are made, then as `proxy.prompts`
+samples them. One disagreement turns it off. An agent's conversation keeps to a few shapes, so after its
+first turns the hot path is two engine calls (generate, derender); the rare sample is there for what a
+shape does not show (text the two tokenizers would split differently).
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ from typing import Any, Literal
 import msgspec
 
 from proxy.capture import token_text
+from proxy.chat import ChatMessage
 from proxy.errors import ProxyError
 from proxy.upstream import ChatRender, EngineClient, Rendered
 
 log = logging.getLogger(__name__)
 ContentFormat = Literal["string", "openai"]
+Shape = tuple[Any, ...]  # one message's kinds of content and the one's before it, under the tools and arguments
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 WARMUP_CHECKS = 8
-CHECK_EVERY = 32
+CHECK_EVERY = 256
 PIECES_KEPT = 8192  # encoded text pieces (the text between added tokens) kept for reuse
 BILLING_HEADER = "x-anthropic-billing-header"  # vLLM drops this line from a system prompt
 TEMPLATE_ARGUMENTS = frozenset({"tools", "documents", "add_generation_prompt", "continue_final_message"})
@@ -152,6 +158,7 @@ class LocalRendering:
         self.off: str | None = None
         self.checked = 0  # renders found equal to the engine's
         self._wholes = 0
+        self._shapes: set[Shape] = set()  # of the whole conversations found equal to the engine's renders
 
     async def ready(self) -> bool:
         """Whether local renders can be used: the probe conversation, rendered by the engine, decides once."""
@@ -186,16 +193,37 @@ class LocalRendering:
         """The first renders made here are all checked against the engine's."""
         return self.checked < WARMUP_CHECKS
 
-    def check_due(self) -> bool:
-        """Whether a whole conversation rendered here is checked: while warming, then one in `CHECK_EVERY` (a
-        spliced turn's new messages are checked with the splice, on `splice_check_tokens`)."""
+    def check_due(self, shape: frozenset[Shape]) -> bool:
+        """Whether a whole conversation rendered here is checked: when its shape is new, else one in `CHECK_EVERY`
+        (a spliced turn's new messages are checked with the splice, on `splice_check_tokens`)."""
         self._wholes += 1
-        return self.warming or self._wholes % CHECK_EVERY == 0
+        return not shape <= self._shapes or self._wholes % CHECK_EVERY == 0
+
+    def agreed(self, shape: frozenset[Shape] = frozenset()) -> None:
+        """A render made here was found equal to the engine's."""
+        self.checked += 1
+        self._shapes |= shape
 
     def turn_off(self, why: str) -> None:
         if self.off is None:
             self.off = why
             log.warning("prompts are rendered by the engine from now on, not in the proxy: %s", why)
+
+
+def shape_of(messages: list[ChatMessage], request: ChatRender, tools_digest: int | None) -> frozenset[Shape]:
+    """What a template's output depends on besides the text: each message's role and kinds of content, with the
+    one before it (first and last marked), under the tools and template arguments; text alone is left out."""
+    context = (tools_digest, request.add_generation_prompt,
+               msgspec.json.encode(request.chat_template_kwargs) if request.chat_template_kwargs else None)
+    kinds = [_message_shape(m) for m in messages]
+    return frozenset((context, before, after) for before, after in zip([None, *kinds], [*kinds, None], strict=True))
+
+
+def _message_shape(message: ChatMessage) -> Shape:
+    content = message.content
+    parts = None if content is None else -1 if isinstance(content, str) else min(len(content), 2)
+    return (message.role, parts, bool(content), min(len(message.tool_calls or ()), 2), message.reasoning is not None,
+            bool(message.reasoning), message.name is not None, message.tool_call_id is not None)
 
 
 def _added_token_splitter(tokenizer: Any) -> re.Pattern[str] | None:

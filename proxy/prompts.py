@@ -35,7 +35,7 @@ from harness_rl.trace import PrefixBreak, PromptSource
 from proxy.capture import SEP, token_text
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
-from proxy.local_render import LocalRendering, LocalTemplate, LocalTemplateError
+from proxy.local_render import LocalRendering, LocalTemplate, LocalTemplateError, shape_of
 from proxy.session import Session
 from proxy.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
 from proxy.upstream import PROBE, ChatRender, EngineClient, Rendered
@@ -78,7 +78,7 @@ class PromptMaker:
         continued = session.replies.continued_turn(call.messages, message_digests, tools_digest) \
             if self.tito else None
         if continued is None:
-            full, mismatch, by = await self._rendered_whole(conversation)
+            full, mismatch, by = await self._rendered_whole(conversation, call, tools_digest)
             reason = explain_break(session.replies, call.messages, message_digests, tools_digest, full.text,
                                    session.graph.sequence, self.tito)
             return Prompt(full, "rendered", reason, rendered=fingerprint(full.text), render_mismatch=mismatch,
@@ -109,23 +109,25 @@ class PromptMaker:
             replies.renders_suffix = False
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE, why, whole)
         if local and whole is not None and self.local is not None:
-            self.local.checked += 1
+            self.local.agreed()
         prompt = _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
                           rendered=fingerprint(whole.text) if whole is not None else None)
         return msgspec.structs.replace(prompt, rendered_by="proxy" if local else "engine")
 
-    async def _rendered_whole(self, conversation: ChatRender) -> tuple[Rendered, str | None, str]:
+    async def _rendered_whole(self, conversation: ChatRender, call: ChatCall,
+                              tools_digest: int | None) -> tuple[Rendered, str | None, str]:
         """The whole conversation's prompt ids, rendered here when the proxy can (and checked against the engine's
-        as `LocalRendering.check_due` says; the engine's when they differ)."""
+        as `LocalRendering.check_due` says for its shape; the engine's when they differ)."""
         local = self.local.render(conversation) if await self._local_ready() and self.local is not None else None
         if local is None:
             return await self.engine.render(conversation), None, "engine"
         assert self.local is not None
-        if not self.local.check_due():
+        shape = shape_of(call.messages, conversation, tools_digest)
+        if not self.local.check_due(shape):
             return local, None, "proxy"
         full = await self.engine.render(conversation)
         if full.text == local.text:
-            self.local.checked += 1
+            self.local.agreed(shape)
             return local, None, "proxy"
         mismatch = (f"rendered in the proxy ({local.count} tokens), the conversation differs from the engine's "
                     f"rendering ({full.count} tokens) after {common_tokens(full.text, local.text)} tokens")

@@ -146,7 +146,8 @@ def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[F
         agent = Agent(proxy)
         assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
         fake.render_extra = [7]  # the server's template changed under the proxy
-        assert agent.chat([{"role": "user", "content": "two"}]).status_code == 200
+        system = {"role": "system", "content": "Be brief."}  # a shape not checked yet, so the engine renders it too
+        assert agent.chat([system, {"role": "user", "content": "two"}]).status_code == 200
         renders = fake.routes["/v1/chat/completions/render"]
         assert agent.chat([{"role": "user", "content": "three"}]).status_code == 200
         renders = fake.routes["/v1/chat/completions/render"] - renders
@@ -155,6 +156,31 @@ def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[F
     assert two.metadata["rendered_by"] == "engine" and "differs from the engine's" in two.metadata["render_mismatch"]
     assert two.prompt_token_ids == fake.render(two.request.messages, None)  # the engine's ids, its extra one too
     assert three.metadata["rendered_by"] == "engine" and renders == 1  # rendered by the engine from then on
+
+
+def test_a_whole_conversation_is_checked_when_its_shape_is_new(model_engine: tuple[FakeEngine, str],
+                                                                tmp_path: Path) -> None:
+    """Conversations rendered whole (none continues an answer of the proxy's): the engine renders one of each shape
+    (roles, kinds of content, tools) alongside the proxy, and otherwise only generates and derenders."""
+    fake, url = model_engine
+    history = CONVERSATIONS[3][:3] + [{"role": "assistant", "content": "done"}]
+    asked = [[{"role": "user", "content": f"task {k}"}] for k in range(3)] + [
+        [*history, {"role": "user", "content": f"step {k}"}] for k in range(3)] + [
+        [*history, {"role": "user", "content": "with tools"}]] + [
+        [{"role": "system", "content": f"Be brief {k}."}, {"role": "user", "content": "go"}] for k in range(2)]
+    with serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path))) as proxy:
+        agent = Agent(proxy)
+        renders = []
+        for k, messages in enumerate(asked):
+            before = fake.routes.get("/v1/chat/completions/render", 0)
+            got = agent.chat(messages, **({"tools": TOOLS} if k == 6 else {}))
+            assert got.status_code == 200, got.text
+            renders.append(fake.routes["/v1/chat/completions/render"] - before)
+        turns = agent.trace().turns
+    assert renders == [2, 0, 0, 1, 0, 0, 1, 1, 0]  # the first with the probe conversation
+    for turn in turns:
+        assert turn.metadata["rendered_by"] == "proxy" and turn.prompt_token_ids == fake.render(
+            turn.request.messages, turn.request.tools)
 
 
 def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: Path) -> None:

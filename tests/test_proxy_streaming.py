@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,23 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     # the parsers read every sampled id but the closing stop token, once, and their reads are the reply
     steps = [i for ids in fake_engine.derender_steps for i in ids]
     assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
+
+
+def test_the_agents_first_bytes_carry_the_first_text(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """The stream's headers and opening wait for its first text and go with it in one send: an agent is woken
+    once for what it can use, not three times."""
+    agent = Agent(fake_proxy)
+    fake_engine.token_delay_s = 0.05  # the first text comes well after the engine took the call
+    fake_engine.script.append(Scripted(content="w1 w2 w3 w4 w5 w6"))
+    url, body, headers = _request("openai_chat", agent, "talk")
+    target = httpx.URL(url)
+    payload = json.dumps(body).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in {**headers, "Host": target.netloc.decode(),
+                   "Content-Type": "application/json", "Content-Length": str(len(payload))}.items())
+    with socket.create_connection((target.host, target.port), timeout=30) as connection:
+        connection.sendall(f"POST {target.raw_path.decode()} HTTP/1.1\r\n{head}\r\n".encode() + payload)
+        first = connection.recv(1 << 16)
+    assert first.startswith(b"HTTP/1.1 200") and b'"role":"assistant"' in first and b'"content":"w1' in first
 
 
 def test_an_answer_sampled_at_once_is_read_once(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
