@@ -7,8 +7,9 @@ directory, as a vLLM on the same machine does, so our proxy renders prompts itse
 its own process under the same small wrapper that times every garbage collection. Figures printed:
 
   one agent      p50/p99 latency over the first 50 sequential turns of a session, and what is added:
-                 each target alone, and all three interleaved turn by turn (outside load falls on each
-                 alike, but each proxy's background work also slows the others); and the engine calls our
+                 each target alone, and all three interleaved turn by turn, their order turned each turn
+                 (outside load falls on each alike; each proxy's background work slows the others, and no
+                 target always runs after the same one); and the engine calls our
                  proxy made per agent call (render, generate, derender; the chat route for the others)
   streamed       the same with `stream: true`, to the answer's last byte (OpenEnv asks the engine for a
                  whole answer and replays it as events; ours streams from the engine)
@@ -37,7 +38,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -129,7 +130,8 @@ async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> 
             if turn in (min(100, turns // 2), max(turns - 100, turns // 2)):
                 cpu_marks[turn] = [cpu_s(t.process.pid) if t.process else 0.0 for t in targets]
             body = agent_body(turn, stream)
-            for k, (url, headers) in enumerate(sessions):
+            for k in rotated(range(len(targets)), turn):  # each target follows each other one as often
+                url, headers = sessions[k]
                 latency, last[k] = await post(http, url, headers, body)
                 latencies[k].append(latency)
                 sizes[k].append(len(last[k]))
@@ -153,6 +155,13 @@ async def one_agent(targets: list[Target], turns: int, stream: bool = False) -> 
             "cpu_last100": (cpu_after[k] - cpu_marks[max(turns - 100, turns // 2)][k]) / min(100, turns - turns // 2),
             "bytes": statistics.fmean(sizes[k]), "leaked": leaked}
     return out
+
+
+def rotated(items: Sequence[int], turn: int) -> list[int]:
+    """The order of one turn: turned by one place each turn, so no target always runs in the wake of another's
+    background work (a proxy storing its capture after it answered)."""
+    shift = turn % len(items)
+    return [*items[shift:], *items[:shift]]
 
 
 async def warm(http: aiohttp.ClientSession, target: Target) -> None:
