@@ -2,6 +2,7 @@
 tied output head through each backend. vLLM's transfer: test_vllm_transfer.py and test_vllm_weight_transfer.py."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,6 +111,41 @@ def test_http_sync_failure_names_the_route_and_resumes(tiny_model_dir, loop):
             assert not engine.is_paused and engine.policy_version == 0
     finally:
         engine.close()
+
+
+ALL_CALLS = ["POST /pause?mode=keep", "POST /reset_prefix_cache", "POST /resume"]
+
+
+@pytest.mark.parametrize(("failing", "raised", "note", "calls"), [
+    ((), None, None, ALL_CALLS),
+    (("/pause",), "POST /pause?mode=keep failed", None, [ALL_CALLS[0], ALL_CALLS[2]]),
+    (("/reset_prefix_cache",), "POST /reset_prefix_cache failed", None, ALL_CALLS),
+    (("/resume",), "POST /resume failed", None, ALL_CALLS),
+    (("/reset_prefix_cache", "/resume"), "POST /reset_prefix_cache failed", "then POST /resume failed", ALL_CALLS),
+])
+def test_a_paused_engine_is_resumed_whatever_failed(vllm, loop, failing, raised, note, calls):
+    """Every sync backend's pause → ... → resume: the resume is always tried (a pause that seemed to fail may have
+    paused), the body's error wins, and a failed resume is raised or noted on it, never lost."""
+    from harness_rl.learner.weight_sync import EngineControl
+
+    control = EngineControl(vllm.url, timeout_s=10)
+    vllm.fail = {route: 500 for route in failing}
+
+    async def push() -> None:
+        try:
+            async with control.paused("keep"):
+                await control.call("POST", "/reset_prefix_cache")
+        finally:
+            await control.close()
+
+    if raised is None:
+        loop.run(push())
+    else:
+        with pytest.raises(WeightSyncError, match=f"^{re.escape(raised)}") as caught:
+            loop.run(push())
+        notes = getattr(caught.value, "__notes__", [])
+        assert [n[:len(note)] for n in notes] == ([note] if note else [])
+    assert vllm.calls == calls
 
 
 class RecordingSync:

@@ -55,16 +55,11 @@ class LoraAdapterSync:
 
     async def _push(self, target: Path, version: int) -> None:
         control = self.control
-        try:
-            await control.call("POST", "/pause", params={"mode": "keep"})
+        async with control.paused("keep"):
             await control.call("POST", "/v1/load_lora_adapter", timeout_s=self.load_timeout_s,
                                body={"lora_name": self.adapter_name, "lora_path": str(target), "load_inplace": True})
             await control.call("POST", "/update_weight_version", body={"new_version": str(version)})
             await control.call("POST", "/reset_prefix_cache")
-        finally:
-            resumed = await control.best_effort("POST", "/resume")
-        if resumed is not None:
-            raise resumed
 
     def close(self) -> None:
         self.loop.run(self.control.close())

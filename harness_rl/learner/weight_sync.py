@@ -24,11 +24,13 @@ it), so a failed sync never leaves it paused or hung.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import torch
@@ -137,6 +139,23 @@ class EngineControl:
         except ValueError:
             return text
 
+    @contextlib.asynccontextmanager
+    async def paused(self, mode: Literal["wait", "keep"]) -> AsyncIterator[None]:
+        """The engine paused for the body (`wait`: running requests finish first; `keep`: they are held) and resumed
+        after it, whatever failed, a pause that seemed to fail too; a failed resume is raised, or noted on the
+        body's own error."""
+        try:
+            await self.call("POST", "/pause", params={"mode": mode})
+            yield
+        except BaseException as error:
+            resumed = await self.best_effort("POST", "/resume")
+            if resumed is not None:
+                error.add_note(f"then {resumed}")
+            raise
+        resumed = await self.best_effort("POST", "/resume")
+        if resumed is not None:
+            raise resumed
+
     async def best_effort(self, method: str, route: str, **kwargs: Any) -> WeightSyncError | None:
         try:
             await self.call(method, route, **kwargs)
@@ -168,14 +187,9 @@ class HttpEngineSync:
 
     async def _push(self, payload: bytes, version: int) -> None:
         control = self.control
-        try:
-            await control.call("POST", "/pause", params={"mode": "wait"})
+        async with control.paused("wait"):
             await control.call("POST", "/update_weights_from_bytes", data=payload, params={"version": str(version)})
             await control.call("POST", "/reset_prefix_cache")
-        finally:
-            resumed = await control.best_effort("POST", "/resume")
-        if resumed is not None:
-            raise resumed
 
     def close(self) -> None:
         self.loop.run(self.control.close())
@@ -225,8 +239,7 @@ class ReloadSync:
 
     async def _push(self, tensors: dict[str, torch.Tensor], target: Path, version: int) -> None:
         control, timings, clock = self.control, self.timings, time.perf_counter()
-        try:
-            await control.call("POST", "/pause", params={"mode": "keep"})
+        async with control.paused("keep"):
             timings.pause, clock = lap(clock)
             try:
                 await asyncio.to_thread(write_safetensors, tensors, target, self.dtype)
@@ -241,15 +254,7 @@ class ReloadSync:
                 raise WeightSyncError(f"GET /weight_info answered {info!r} after version {version} was set")
             await control.call("POST", "/reset_prefix_cache")
             timings.finish, clock = lap(clock)
-        except BaseException as error:
-            resumed = await control.best_effort("POST", "/resume")
-            if resumed is not None:
-                error.add_note(f"then {resumed}")
-            raise
-        resumed = await control.best_effort("POST", "/resume")
         timings.resume, _ = lap(clock)
-        if resumed is not None:
-            raise resumed
 
     async def _reload(self, directory: Path) -> None:
         try:
