@@ -22,11 +22,12 @@ from proxy.anthropic_stream import MessagesStream
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
 from proxy.connections import ConnectionGuard
+from proxy.delivery import SSE_HEADERS, EventStream, deliver, end_stream, undelivered, waiting
 from proxy.engines import bind_session
 from proxy.errors import ProxyError, error_body
 from proxy.gemini_stream import GeminiStream
 from proxy.limits import log_left, read_body
-from proxy.live import AnswerHead, Finished, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
+from proxy.live import AnswerHead, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
 from proxy.openai_chat_stream import ChatStream
 from proxy.openai_responses_stream import ResponsesStream
 from proxy.pipeline import CapturePipeline, budget_answer
@@ -35,7 +36,6 @@ from proxy.session import Session, SessionRegistry
 from proxy.streaming import capture_streamed
 from proxy.upstream import EngineClient
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HARNESS_SESSION_HEADERS = ("x-session-id", "proxy-x-session-id", "x-claude-code-session-id")
 SSE_COMMENT = b": keepalive\n\n"
 POLL_S = 0.25  # how often a quiet stream checks that its agent is still there
@@ -288,13 +288,13 @@ class AgentRoutes:
                 if isinstance(first, web.StreamResponse):  # keep-alives opened the stream
                     response = first
                     continue
-                for event in (first, *_waiting(events)):  # the events already waiting go out in one send
+                for event in (first, *waiting(events)):  # the events already waiting go out in one send
                     if isinstance(event, Exception):
                         if response is None and writer is None:  # nothing started: an error status
                             raise event
                         error = event if isinstance(event, ProxyError) else ProxyError(500, f"proxy failure: {event!r}")
-                        return await _end(request, response, bytes(unsent + renderer.stream_error(error)), None,
-                                          session)
+                        return await end_stream(request, response, bytes(unsent + renderer.stream_error(error)),
+                                                None, session)
                     if isinstance(event, Opened):
                         writer = renderer.live(event.head, call)
                         unsent += writer.open()
@@ -306,18 +306,18 @@ class AgentRoutes:
                         assert writer is not None
                         if answered:
                             answered(event.answer)
-                        return await _end(request, response, bytes(unsent + writer.finish(event.answer)),
-                                          event.node_id, session)
+                        return await end_stream(request, response, bytes(unsent + writer.finish(event.answer)),
+                                                event.node_id, session)
                 if texts or response is not None and unsent:
                     if response is None:
-                        response = _EventStream(headers=SSE_HEADERS)
+                        response = EventStream(headers=SSE_HEADERS)
                         await response.prepare(request)
                     await response.write(bytes(unsent))
                     unsent.clear()
                     texts = False
         except (ConnectionResetError, asyncio.CancelledError):
             left.set()  # the capture cuts the generation short; the turn it records was never delivered
-            capture.add_done_callback(lambda _: _undelivered(events, session))
+            capture.add_done_callback(lambda _: undelivered(events, session))
             if response is None:
                 raise  # the middleware says the agent left
             log_left(request)
@@ -350,57 +350,6 @@ class AgentRoutes:
         """Send a finished answer (as a stream when the agent asked for one); an undelivered turn keeps mask 0."""
         if call.stream:
             body = whole_stream(renderer.live(head_of(answer), call), answer)
-            return await _deliver(request, web.Response(body=body, headers=SSE_HEADERS), b"", node_id, session)
+            return await deliver(request, web.Response(body=body, headers=SSE_HEADERS), b"", node_id, session)
         response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
-        return await _deliver(request, response, b"", node_id, session)
-
-
-async def _deliver(request: web.Request, response: web.StreamResponse, last: bytes, node_id: str | None,
-                   session: Session) -> web.StreamResponse:
-    """End `response` with `last` (a whole `web.Response` carries its body, headers and body in one send); an agent
-    gone by then leaves the turn undelivered (mask 0)."""
-    try:
-        if request.transport is None or request.transport.is_closing():
-            raise ConnectionResetError("the agent disconnected before its answer was ready")
-        if not response.prepared:
-            await response.prepare(request)
-        await response.write_eof(last)
-    except ConnectionResetError:
-        log_left(request)
-        if node_id is not None:
-            session.mark_undelivered(node_id)
-    except asyncio.CancelledError:
-        if node_id is not None:
-            session.mark_undelivered(node_id)
-        raise
-    return response
-
-
-class _EventStream(web.StreamResponse):
-    """A stream whose headers go with its first events, in one send (aiohttp's opt-in, as its `web.Response` has)."""
-
-    _send_headers_immediately = False
-
-
-async def _end(request: web.Request, response: web.StreamResponse | None, last: bytes, node_id: str | None,
-               session: Session) -> web.StreamResponse:
-    """End a stream with `last`; when nothing of it was sent yet, as one whole response."""
-    if response is None:
-        return await _deliver(request, web.Response(body=last, headers=SSE_HEADERS), b"", node_id, session)
-    return await _deliver(request, response, last, node_id, session)
-
-
-def _waiting(events: asyncio.Queue[StreamEvent | Exception]) -> list[StreamEvent | Exception]:
-    """The events already in the queue, taken without waiting."""
-    taken: list[StreamEvent | Exception] = []
-    while not events.empty():
-        taken.append(events.get_nowait())
-    return taken
-
-
-def _undelivered(events: asyncio.Queue[StreamEvent | Exception], session: Session) -> None:
-    """After the agent left: the turn the capture recorded, if any, was never delivered."""
-    while not events.empty():
-        event = events.get_nowait()
-        if isinstance(event, Finished) and event.node_id is not None:
-            session.mark_undelivered(event.node_id)
+        return await deliver(request, response, b"", node_id, session)
