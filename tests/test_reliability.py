@@ -143,8 +143,9 @@ def hostile_server() -> Iterator[tuple[HostileEngine, str]]:
 
 @pytest.fixture
 def hostile(hostile_server: tuple[HostileEngine, str]) -> HostileEngine:
-    hostile_server[0].faults = Faults()
-    return hostile_server[0]
+    engine = hostile_server[0]
+    engine.faults, engine.token_delay_s = Faults(), 0.0
+    return engine
 
 
 @pytest.fixture
@@ -882,6 +883,7 @@ def test_an_agent_that_leaves_is_one_line_not_a_proxy_failure(
     caplog.set_level(logging.INFO, logger="harness_rl.proxy")
     agent = Agent(start())
     hostile.faults.delay_s = 1.0  # every engine call: the agent leaves while the proxy waits for the engine
+    hostile.token_delay_s = 0.05  # streamed, text goes out before the answer is done (the stream opens with it)
     caplog.clear()
     _leave(agent, stream, after, reset)
     deadline = time.monotonic() + 10
@@ -894,7 +896,7 @@ def test_an_agent_that_leaves_is_one_line_not_a_proxy_failure(
                        "/v1/chat/completions was sent")]
     while httpx.get(f"{agent.proxy.url}/health").json()["in_flight"] and time.monotonic() < deadline + 10:
         time.sleep(0.05)
-    hostile.faults.delay_s = 0.0
+    hostile.faults.delay_s, hostile.token_delay_s = 0.0, 0.0
     turns = turns_of(agent.proxy, agent.session["id"])
     left_early = stream and not isinstance(after, bytes)  # maybe before the engine sampled a token: no turn
     assert len(turns) <= 1 if left_early else len(turns) == 1
