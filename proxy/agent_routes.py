@@ -349,7 +349,7 @@ class AgentRoutes:
                      node_id: str | None, session: Session) -> web.StreamResponse:
         """Send a finished answer (as a stream when the agent asked for one); an undelivered turn keeps mask 0."""
         if call.stream:
-            body = whole_stream(renderer.live(head_of(answer), call), answer)
-            return await deliver(request, web.Response(body=body, headers=SSE_HEADERS), b"", node_id, session)
+            return await end_stream(request, None, whole_stream(renderer.live(head_of(answer), call), answer), node_id,
+                                    session)
         response = web.Response(body=renderer.whole(answer, call), content_type="application/json")
         return await deliver(request, response, b"", node_id, session)
