@@ -330,7 +330,8 @@ class AgentRoutes:
         quiet, tick = 0.0, min(POLL_S, self.config.keepalive_s)
         while True:
             try:
-                return await asyncio.wait_for(events.get(), tick)
+                async with asyncio.timeout(tick):
+                    return await events.get()
             except TimeoutError:
                 if request.transport is None or request.transport.is_closing():
                     raise ConnectionResetError("the agent disconnected") from None

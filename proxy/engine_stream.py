@@ -10,12 +10,14 @@ the engine's own parsers decide what is text and what is markup, for any model f
 carries the finish, so the parsers flush what they held back, and the reads together are the answer:
 content, reasoning and tool calls, as vLLM's chat route reads a streamed answer (its streaming parsers),
 with no read of the whole answer after it. vLLM carries no parser state between reads, so each read
-replays the answer so far: ids that arrive while a read is under way wait and go together in the next
-one; the first read waits 10 ms after the first ids (an answer sampled faster than that is read once,
-with its finish), and later reads are spaced by `interval_s` and by four times the last read's duration,
-which keeps the replays to a fifth of the engine's time however long the answer grows. Text that could
-still be the start of a stop string is held back, as vLLM's detokenizer holds it: the agent never sees
-what the final answer leaves out.
+replays the answer so far and rescans the prompt: ids that arrive while a read is under way wait and go
+together in the next one; the first read waits 10 ms after the first ids, and later reads are spaced by
+`interval_s` and by four times the last read's duration, which keeps the replays to a fifth of the
+engine's time however long the answer grows. An answer sampled whole before its first read is not read
+here at all: nothing was sent yet, so it is read whole, as a JSON call's answer is, in one engine call
+that needs no prompt. Text that could still be the start of a stop string is held back, as vLLM's
+detokenizer holds it: the agent never sees what the final answer leaves out. The last read's text is not
+emitted: it goes to the agent with the finish, in one send.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class SampleStream:
 class TextReader:
     """The engine's parsers reading a sample as it grows: `run()` reads while `feed()` adds ids; once `finish()`
     hands over the last ones, it reads them at once, with the finish (the parsers flush what they held back),
-    and returns True: `reply()` is then the whole answer, as the engine's streaming parsers read it."""
+    and returns True: `reply()` is then the whole answer, as the engine's streaming parsers read it, and what
+    of it `sent` does not hold is still to go to the agent."""
 
     def __init__(self, engine: EngineClient, chat_request: bytes, prompt: Rendered, stops: list[str],
                  interval_s: float, emit: Callable[[TextKind, str], None]) -> None:
@@ -198,18 +201,21 @@ class TextReader:
         self._more.set()
 
     async def run(self) -> bool:
-        """Read until the finish is read (True) or a read fails (False: the reading stops there, and the answer
-        is read whole instead)."""
+        """Read until the finish is read (True); False when the answer is to be read whole instead: a read failed
+        (the reading stops there), or the answer was sampled whole before its first read."""
         loop = asyncio.get_running_loop()
         next_at: float | None = None
         while True:
             await self._more.wait()
-            if next_at is None:  # the first read waits a moment: an answer sampled in it is read once, whole
+            if next_at is None:  # the first read waits a moment: an answer sampled in it is read whole
                 next_at = loop.time() + min(self.interval_s, FIRST_READ_S)
             with contextlib.suppress(TimeoutError):  # the finish is read at once
-                await asyncio.wait_for(self._finished.wait(), max(0.0, next_at - loop.time()))
+                async with asyncio.timeout_at(next_at):
+                    await self._finished.wait()
             self._more.clear()
             ids, self._pending, finish = self._pending, [], self._finish
+            if finish is not None and not self.reads:
+                return False  # nothing read, nothing sent: one whole reading spares the engine a prompt rescan
             began = loop.time()
             try:
                 await self._read_step(ids, finish)
@@ -254,6 +260,8 @@ class TextReader:
                 self._calls[piece.index] = ToolCall(id=call.id or piece.id or "",
                                                     name=call.name + (function.name or ""),
                                                     arguments=call.arguments + (function.arguments or ""))
+        if finish is not None:
+            return  # the last read's text goes out with the finish, in one send
         for kind in ("reasoning", "content"):
             if kind == "reasoning" and self.sent["content"]:
                 continue  # reasoning comes before the text; any after it waits for the answer

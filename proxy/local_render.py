@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import re
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +48,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 WARMUP_CHECKS = 8
 CHECK_EVERY = 256
 PIECES_KEPT = 8192  # encoded text pieces (the text between added tokens) kept for reuse
+TOOL_LISTS_KEPT = 16  # agents' tool lists kept shaped for the template
 BILLING_HEADER = "x-anthropic-billing-header"  # vLLM drops this line from a system prompt
 TEMPLATE_ARGUMENTS = frozenset({"tools", "documents", "add_generation_prompt", "continue_final_message"})
 _PROBE_CALL = {"id": "call_1", "type": "function", "function": {"name": "look", "arguments": '{"at": "x"}'}}
@@ -76,9 +78,9 @@ class LocalTemplate:
         self.special_tokens = special_tokens
         self._pieces = _added_token_splitter(tokenizer)
         self._encode_piece = functools.lru_cache(maxsize=PIECES_KEPT)(self._encode_text)
-        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                                   extensions=[jinja2.ext.loopcontrols])
-        environment.filters["tojson"] = _tojson
+        environment = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        self._tools = _Tools(TOOL_LISTS_KEPT)
+        environment.filters["tojson"] = self._tools.tojson
         environment.globals["raise_exception"] = _raise
         environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = {name: environment.from_string(text) for name, text in templates.items()}
@@ -113,7 +115,7 @@ class LocalTemplate:
         messages = [_message(msgspec.json.decode(m), content_format) for m in request.messages]
         if not messages or None in messages:
             return None
-        tools = [_tool(t) for t in msgspec.json.decode(request.tools)] if request.tools else None
+        tools = self._tools.shaped(bytes(request.tools)) if request.tools else None
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         if name not in self._compiled:
             return None
@@ -294,6 +296,37 @@ def _arguments(arguments: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+class _Tools:
+    """The last tool lists seen, shaped as vLLM hands them to the template, each tool's `tojson` made once: an agent
+    sends the same tools every call. The template gets plain dicts, shared between renders (the sandbox keeps it
+    from changing them); a tool's JSON is found by identity while its list is kept."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lists: OrderedDict[bytes, list[dict[str, Any]]] = OrderedDict()
+        self._json: dict[int, str] = {}
+
+    def shaped(self, raw: bytes) -> list[dict[str, Any]]:
+        tools = self._lists.get(raw)
+        if tools is None:
+            tools = self._lists[raw] = [_tool(tool) for tool in msgspec.json.decode(raw)]
+            self._json.update((id(tool), json.dumps(tool, ensure_ascii=False)) for tool in tools)
+            if len(self._lists) > self._kept:
+                for tool in self._lists.popitem(last=False)[1]:
+                    del self._json[id(tool)]
+        else:
+            self._lists.move_to_end(raw)
+        return list(tools)
+
+    def tojson(self, value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        """transformers' `tojson` filter."""
+        if not (ensure_ascii or indent or separators or sort_keys) and (made := self._json.get(id(value))):
+            return made
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+
 def _tool(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool.get("function") or {}
     shaped = {"name": function.get("name"), "description": function.get("description"),
@@ -303,9 +336,29 @@ def _tool(tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": tool.get("type", "function"), "function": shaped}
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+@functools.cache
+def _sandbox() -> type:
+    """transformers' sandbox (`ImmutableSandboxedEnvironment`), with its two most frequent reads made direct:
+    `message.role` on a plain dict, which the sandbox answers with the key after a failed attribute lookup, and
+    `loop.last` and the like. Both read data, never a method, so what the template sees is unchanged; every
+    other read goes through the sandbox's checks."""
+    import jinja2.sandbox
+    from jinja2.runtime import LoopContext
+
+    dict_names = frozenset(dir(dict))
+    loop_names = frozenset({"first", "last", "index", "index0", "revindex", "revindex0", "length", "depth", "depth0",
+                            "previtem", "nextitem"})
+
+    class Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            kind = type(obj)
+            if kind is dict and attribute not in dict_names:
+                return obj[attribute] if attribute in obj else self.undefined(obj=obj, name=attribute)
+            if kind is LoopContext and attribute in loop_names:
+                return getattr(obj, attribute)
+            return super().getattr(obj, attribute)
+
+    return Sandbox
 
 
 def _raise(message: str) -> None:

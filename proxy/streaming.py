@@ -6,9 +6,10 @@ or content delta goes to the agent at once. When the engine is done, the sample 
 (ids against logprobs, counts against the closing usage), the parsers read its last ids with the finish,
 and what they read in all is the reply (as vLLM's chat route answers a streaming request: no second,
 whole reading); the turn is recorded, and only then do the text not yet sent, the tool calls and the
-finish go out. Should a streaming read fail, the answer is read whole instead: concatenated, the
-streamed text is the recorded reply, always, so text the parsers let out early that the whole reading
-disagrees with fails the call (the turn stays, with mask 0).
+finish go out, in one send. An answer the engine finished before its first read, and a streaming read
+that fails, leave the answer to one whole reading: concatenated, the streamed text is the recorded
+reply, always, so text the parsers let out early that the whole reading disagrees with fails the call
+(the turn stays, with mask 0).
 
 The call runs on its own task, apart from the agent's connection. When the agent leaves, `left` is set:
 the generation is cut short (the engine stops generating when its stream is closed) and what was sampled
@@ -44,7 +45,7 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
     reader = TextReader(engine, prepared.parsing, prompt, prepared.stops, pipeline.config.stream_read_s,
                         lambda kind, text: emit(Text(kind, text)))
     reading = asyncio.ensure_future(reader.run())
-    read_whole = False
+    reads_hold_all = False
     try:
         async with SampleStream(engine, prompt, prepared.params) as stream:
             emit(Opened(AnswerHead(id=answer_id, created=int(prepared.started), model=call.model,
@@ -55,14 +56,14 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
         sample = stream.partial() if cut else stream.sample()
         if not cut:
             reader.finish(last[:-1] if sample.ends_with_stop_token else last, sample.finish_reason)
-            read_whole = await reading
+            reads_hold_all = await reading
     finally:
         if not reading.done():
             reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
-    # the streaming reads are the answer; when they stopped short (or the agent left), it is read whole
-    reply = reader.reply(sample.stop_reason) if not cut and read_whole else await pipeline.read(prepared, sample)
+    # the streaming reads are the answer; when they stopped short, never began or the agent left, it is read whole
+    reply = reader.reply(sample.stop_reason) if not cut and reads_hold_all else await pipeline.read(prepared, sample)
     rest = {"reasoning": _rest(reader.sent["reasoning"], reply.reasoning), "content": _rest(reader.sent["content"],
                                                                                           reply.content)}
     answer, node_id = pipeline.record(session, call, harness, prepared, sample, reply, answer_id)

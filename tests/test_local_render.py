@@ -5,6 +5,7 @@ the files are not what the engine runs, and one engine round trip fewer per call
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
-from proxy.local_render import LocalRendering, LocalTemplate
+from proxy.local_render import LocalRendering, LocalTemplate, _message
 from proxy.upstream import ChatRender, EngineClient, Rendered
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls -la"}'}}
@@ -87,6 +88,50 @@ def test_pieces_between_added_tokens_encode_as_the_whole_text(loaded_dir: Path) 
     for _ in range(300):
         text = "".join(rng.choice(specials if rng.random() < 0.3 else words) for _ in range(rng.randrange(1, 40)))
         assert template.encode(text) == template.tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+# The reads chat templates make: attributes and keys of messages (some named like dict methods), loop state,
+# neighbours by index, tools as JSON (cached and not), defaults for what is missing.
+READS = """{%- for message in messages -%}
+{{ loop.index0 }}/{{ loop.length }} {{ loop.first }} {{ loop.last }} {{ loop.revindex }} {{ loop.previtem is defined }}
+{{ message.role }} {{ message['role'] }} {{ message.content if message.content is string else message.content|length }}
+{{ message.missing is defined }} {{ message.missing | default('none') }} {{ message.get('reasoning', '-') }}
+{{ message.keys is defined }} {{ message['keys'] | default('no key') }} {{ message.items() | list | length }}
+{%- for call in message.tool_calls or [] %}{{ call.function.name }} {{ call.function.arguments | tojson }}
+{% endfor %}
+{%- if not loop.first %} after {{ messages[loop.index0 - 1].role }}{% endif %}
+{% endfor -%}
+{%- for tool in tools or [] %}{{ tool | tojson }} {{ tool | tojson(indent=2) }} {{ tool.function.name }}
+{% endfor -%}"""
+UNSAFE = ["{{ messages[0].__class__.__mro__ }}", "{{ messages[0].update({'role': 'x'}) }}", "{{ messages.append(1) }}",
+          "{{ loop }}{% for m in messages %}{{ loop.__class__.__init__.__globals__ }}{% endfor %}"]
+
+
+def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(loaded_dir: Path) -> None:
+    import jinja2.ext
+    import jinja2.sandbox
+
+    from proxy.local_render import _sandbox
+
+    stock = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                         extensions=[jinja2.ext.loopcontrols])
+    stock.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    ours = LocalTemplate.load(loaded_dir)
+    messages = [*CONVERSATIONS[3], {"role": "assistant", "content": "y", "reasoning": "r"}]
+    shaped = [m for m in (_message(m, "string") for m in messages) if m is not None]
+    shaped.append({"role": "user", "content": "x", "keys": "a key named like a method"})
+    tools = ours._tools.shaped(msgspec.json.encode(TOOLS))
+    fast = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    fast.filters["tojson"] = ours._tools.tojson
+    expected = stock.from_string(READS).render(messages=shaped, tools=tools)
+    assert fast.from_string(READS).render(messages=shaped, tools=tools) == expected
+    assert "\nTrue a key named like a method" in expected and "False none" in expected and "after tool" in expected
+    assert json.dumps(tools[0], ensure_ascii=False) in expected and "1/6 False False 5 True" in expected
+    for text in UNSAFE:
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            stock.from_string(text).render(messages=shaped)
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            fast.from_string(text).render(messages=shaped)
 
 
 @pytest.mark.parametrize("message", [

@@ -112,30 +112,76 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
 
 
+def _sent(url: str, body: dict[str, Any], headers: dict[str, str]) -> socket.socket:
+    """A connection on which the request has been sent as one HTTP/1.1 POST (the answer is read raw from it)."""
+    target = httpx.URL(url)
+    payload = json.dumps(body).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in {**headers, "Host": target.netloc.decode(),
+                   "Content-Type": "application/json", "Content-Length": str(len(payload))}.items())
+    connection = socket.create_connection((target.host, target.port), timeout=30)
+    connection.sendall(f"POST {target.raw_path.decode()} HTTP/1.1\r\n{head}\r\n".encode() + payload)
+    return connection
+
+
+def _writes(connection: socket.socket) -> list[bytes]:
+    """The chunks of a chunked answer, read to its end: each is one write of the proxy, however TCP split them."""
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        got = connection.recv(1 << 16)
+        assert got, data
+        data += got
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), head
+    chunks = []
+    while True:
+        size, body = body.split(b"\r\n", 1)
+        if not int(size, 16):
+            return chunks
+        chunks.append(body[:int(size, 16)])
+        body = body[int(size, 16) + 2:]
+
+
 def test_the_agents_first_bytes_carry_the_first_text(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     """The stream's headers and opening wait for its first text and go with it in one send: an agent is woken
     once for what it can use, not three times."""
     agent = Agent(fake_proxy)
     fake_engine.token_delay_s = 0.05  # the first text comes well after the engine took the call
     fake_engine.script.append(Scripted(content="w1 w2 w3 w4 w5 w6"))
-    url, body, headers = _request("openai_chat", agent, "talk")
-    target = httpx.URL(url)
-    payload = json.dumps(body).encode()
-    head = "".join(f"{name}: {value}\r\n" for name, value in {**headers, "Host": target.netloc.decode(),
-                   "Content-Type": "application/json", "Content-Length": str(len(payload))}.items())
-    with socket.create_connection((target.host, target.port), timeout=30) as connection:
-        connection.sendall(f"POST {target.raw_path.decode()} HTTP/1.1\r\n{head}\r\n".encode() + payload)
+    with _sent(*_request("openai_chat", agent, "talk")) as connection:
         first = connection.recv(1 << 16)
     assert first.startswith(b"HTTP/1.1 200") and b'"role":"assistant"' in first and b'"content":"w1' in first
 
 
-def test_an_answer_sampled_at_once_is_read_once(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+def test_the_last_text_goes_with_the_finish(fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """The last read's text waits for the turn to be recorded and goes out with the finish, in one write."""
     agent = Agent(fake_proxy)
-    fake_engine.script.append(Scripted(content="A short answer."))
+    fake_engine.token_delay_s = 0.01
+    fake_engine.script.append(Scripted(content=WORDS, finish_reason="length"))  # the last step is text
+    with _sent(*_request("openai_chat", agent, "talk")) as connection:
+        writes = _writes(connection)
+    events = [[json.loads(line[6:]) for line in write.decode().split("\n") if line.startswith("data: {")]
+              for write in writes]
+    assert "".join(_openai(event) for write in events for event in write) == WORDS
+    assert len(writes) > 2 and b"data: [DONE]" in writes[-1]  # streamed as sampled; the end is one write
+    last = [event for event in events[-1] if _openai(event)]
+    finish = [event["choices"][0]["finish_reason"] for event in events[-1] if event.get("choices")]
+    assert last and WORDS.endswith(_openai(last[-1])) and "length" in finish
+    (turn,) = agent.trace().turns
+    assert turn.finish_reason == "length" and turn.reply.content == WORDS
+
+
+def test_an_answer_sampled_before_its_first_read_is_read_once_whole(fake_proxy: RunningProxy,
+                                                                    fake_engine: FakeEngine) -> None:
+    """Nothing was sent before the answer was complete, so it is read as a JSON call's is: one whole reading, no
+    streaming read (each of those would have the engine rescan the prompt)."""
+    agent = Agent(fake_proxy)
+    fake_engine.script.append(Scripted(content="Done", finish_reason="length"))  # one token: one step, the last
     blocks, _ = stream(*_request("openai_chat", agent, "talk"))
-    assert "".join(_openai(block) for _, block in blocks) == "A short answer."
-    assert len(fake_engine.derender_steps) == 1 and fake_engine.whole_derenders == 0  # one read, with the finish
+    assert "".join(_openai(block) for _, block in blocks) == "Done"
+    assert fake_engine.derender_steps == [] and fake_engine.whole_derenders == 1
     assert fake_engine.routes["/inference/v1/generate"] == 1
+    (turn,) = agent.trace().turns
+    assert turn.reply.content == "Done" and len(turn.completion_token_ids) == 1 and turn.delivered
 
 
 def test_a_streamed_tool_call_sent_back_as_received_splices(fake_proxy: RunningProxy,
