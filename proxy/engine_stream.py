@@ -113,41 +113,58 @@ class SampleStream:
             raise ProxyError(502, f"the engine at {url} broke off its stream: {exc!r}") from None
 
     async def _read(self) -> AsyncIterator[list[int]]:
+        """The ids of the steps that arrived together (the engine sends a step at a time; a busy proxy reads
+        several at once and hands them on as one)."""
         assert self._response is not None
         url, size, limit = self.engine.url, 0, self.engine.max_reply_bytes
-        async for line in self._response.content:
-            size += len(line)
+        pending = b""
+        async for data in self._response.content.iter_any():
+            size += len(data)
             if size > limit:
                 raise ProxyError(502, f"the engine at {url} streamed more than {limit / 2**20:g} MB (--max-reply-mb)")
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            try:
-                chunk = CHUNK_DECODER.decode(data)
-            except msgspec.DecodeError as exc:
-                raise ProxyError(502, f"the engine at {url} streamed a chunk this proxy cannot read: {exc}") from None
-            if chunk.error is not None:
-                raise ProxyError(502, f"the engine at {url} failed while streaming: {chunk.error.message}")
-            if not chunk.choices:
-                self.usage = chunk.usage or self.usage
-                continue
-            if len(chunk.choices) != 1:
-                raise ProxyError(502, f"the engine at {url} streamed {len(chunk.choices)} choices, expected 1")
-            choice = chunk.choices[0]
-            ids = choice.token_ids or []
-            entries = choice.logprobs.content if choice.logprobs is not None else None
-            if ids and entries is None:
-                raise ProxyError(502, f"the engine at {url} streamed sampled ids without logprobs; {VLLM_HINT}")
-            logps = [e.logprob for e in entries or ()]
-            check_sample(url, ids, [e.token_id for e in entries or ()], logps, self.engine.vocab_size)
-            self.ids += ids
-            self.logps += logps
-            if choice.finish_reason is not None:
-                self.finish_reason, self.stop_reason = choice.finish_reason, choice.stop_reason
-                self.spans = choice.weight_versions or []
-            yield ids
+            *lines, pending = (pending + data).split(b"\n")
+            ids: list[int] | None = None
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                event = line[5:].strip()
+                if event == b"[DONE]":
+                    if ids is not None:
+                        yield ids
+                    return
+                step = self._step(event)
+                if step is not None:
+                    ids = step if ids is None else ids + step
+            if ids is not None:
+                yield ids
+
+    def _step(self, event: bytes) -> list[int] | None:
+        """One event's sampled ids, checked and taken in (None for the closing usage)."""
+        url = self.engine.url
+        try:
+            chunk = CHUNK_DECODER.decode(event)
+        except msgspec.DecodeError as exc:
+            raise ProxyError(502, f"the engine at {url} streamed a chunk this proxy cannot read: {exc}") from None
+        if chunk.error is not None:
+            raise ProxyError(502, f"the engine at {url} failed while streaming: {chunk.error.message}")
+        if not chunk.choices:
+            self.usage = chunk.usage or self.usage
+            return None
+        if len(chunk.choices) != 1:
+            raise ProxyError(502, f"the engine at {url} streamed {len(chunk.choices)} choices, expected 1")
+        choice = chunk.choices[0]
+        ids = choice.token_ids or []
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        if ids and entries is None:
+            raise ProxyError(502, f"the engine at {url} streamed sampled ids without logprobs; {VLLM_HINT}")
+        logps = [e.logprob for e in entries or ()]
+        check_sample(url, ids, [e.token_id for e in entries or ()], logps, self.engine.vocab_size)
+        self.ids += ids
+        self.logps += logps
+        if choice.finish_reason is not None:
+            self.finish_reason, self.stop_reason = choice.finish_reason, choice.stop_reason
+            self.spans = choice.weight_versions or []
+        return ids
 
     def sample(self) -> Generated:
         """The whole sample, once the stream ended: it must have said why it ended, and its usage must agree."""

@@ -81,6 +81,7 @@ def fake_engine(fake_engine_server: tuple[object, str]) -> object:
     fake.stream_leak = None
     fake.usage_offset = 0
     fake.break_after = None
+    fake.piece_bytes = None
     fake.aborted.clear()
     fake.derender_steps.clear()
     fake.ranks.clear()

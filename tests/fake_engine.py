@@ -78,6 +78,7 @@ class FakeEngine:
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
+    piece_bytes: int | None = None  # streamed generate: send the stream in pieces this long, a pause between
     hold_generate: bool = False  # never answer a generate; say on stdout that one arrived
     data_parallel: int | None = None  # vLLM's data-parallel copies, as its /get_world_size says (None: no route)
     ranks: list[str | None] = field(default_factory=list)  # each generate's X-data-parallel-rank header
@@ -314,11 +315,18 @@ class FakeEngine:
                     request.transport.close()
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                await response.write(b"data: " + _ENCODER.encode(event) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
+                await self._send(response, b"data: " + _ENCODER.encode(event) + b"\n\n")
+            await self._send(response, b"data: [DONE]\n\n")
         except ConnectionResetError:
             self.aborted.append(request_id)
         return response
+
+    async def _send(self, response: web.StreamResponse, data: bytes) -> None:
+        size = self.piece_bytes or len(data)
+        for start in range(0, len(data), size):
+            if start:
+                await asyncio.sleep(0.001)  # the pieces arrive apart, lines cut anywhere
+            await response.write(data[start:start + size])
 
     async def _derender_step(self, body: dict[str, Any]) -> web.Response:
         """Streaming derender: the text the new ids add to the answer's reasoning and content (4 bytes a token);

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_engine import FakeEngine, Scripted
+from fake_engine import IM_END, FakeEngine, Scripted, logprob_of
 from proxy_agent import TOOLS, Agent
 
 from harness_rl.trace import TrainingTrace
@@ -168,6 +168,21 @@ def test_the_last_text_goes_with_the_finish(fake_proxy: RunningProxy, fake_engin
     assert last and WORDS.endswith(_openai(last[-1])) and "length" in finish
     (turn,) = agent.trace().turns
     assert turn.finish_reason == "length" and turn.reply.content == WORDS
+
+
+def test_a_stream_cut_anywhere_by_the_network_reads_as_sampled(fake_proxy: RunningProxy,
+                                                               fake_engine: FakeEngine) -> None:
+    """The engine's events reach the proxy in pieces that cut lines anywhere, and several at once: the sample is
+    the same, id for id."""
+    agent = Agent(fake_proxy)
+    fake_engine.piece_bytes = 7
+    fake_engine.script.append(Scripted(content=WORDS))
+    blocks, _ = stream(*_request("openai_chat", agent, "talk"))
+    assert "".join(_openai(block) for _, block in blocks) == WORDS
+    (turn,) = agent.trace().turns
+    assert turn.reply.content == WORDS
+    assert turn.completion_token_ids == fake_engine.assistant_ids({"content": WORDS}) + [IM_END]
+    assert turn.per_token_logps == [logprob_of(token) for token in turn.completion_token_ids]
 
 
 def test_an_answer_sampled_before_its_first_read_is_read_once_whole(fake_proxy: RunningProxy,
