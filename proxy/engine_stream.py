@@ -102,7 +102,8 @@ class SampleStream:
             self._response.close()  # cut short: the engine sees its client leave and stops generating
 
     async def steps(self) -> AsyncIterator[list[int]]:
-        """Each step's new ids, as they come, checked: the engine's ids and logprobs must describe one sample."""
+        """The new ids as they come (the steps that arrived together, as one), checked: the engine's ids and
+        logprobs must describe one sample."""
         url = self.engine.url
         try:
             async for ids in self._read():

@@ -80,8 +80,8 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
 
 
 async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event) -> tuple[bool, list[int]]:
-    """Hand each step's ids to the reader until the stream ends: (True when the agent left first, the last step's
-    ids, which the reader gets with the finish once the sample is checked)."""
+    """Hand the new ids to the reader as they come until the stream ends: (True when the agent left first, the
+    last ids, those that came with the finish, which the reader gets once the sample is checked)."""
     async def feed() -> list[int]:
         last: list[int] = []
         async for ids in stream.steps():
