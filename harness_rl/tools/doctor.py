@@ -82,8 +82,20 @@ class Report(msgspec.Struct, frozen=True):
     def ok(self) -> bool:
         return all(check.status != "fail" for check in self.checks)
 
+    @property
+    def answered(self) -> bool:
+        """Whether an engine answered at all (when none did, "engine answers" is the only check)."""
+        return self.checks[0].name != "engine answers"
+
     def failures(self) -> list[Check]:
         return [check for check in self.checks if check.status == "fail"]
+
+    def require_exact(self) -> Report:
+        """This report, or `EngineNotExact` naming each failing check and its fix."""
+        if not self.ok:
+            lines = "\n".join(f"  {check.line()}" for check in self.failures())
+            raise EngineNotExact(f"the engine at {self.url} cannot capture exactly:\n{lines}")
+        return self
 
     def text(self) -> str:
         return "\n".join(check.line() for check in self.checks)
@@ -371,13 +383,9 @@ def require_exact_capture(
     while True:
         report = asyncio.run(diagnose(url, model=model, min_context=min_context, weight_sync=weight_sync,
                                       learner_vllm=learner_vllm))
-        if report.checks[0].name != "engine answers" or time.monotonic() >= deadline:
-            break
+        if report.answered or time.monotonic() >= deadline:
+            return report.require_exact()
         time.sleep(2.0)
-    if not report.ok:
-        lines = "\n".join(f"  {check.line()}" for check in report.failures())
-        raise EngineNotExact(f"the engine at {url} cannot capture exactly:\n{lines}")
-    return report
 
 
 def _release(version: str) -> str:
