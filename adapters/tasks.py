@@ -3,25 +3,76 @@
 A task is a directory holding `instruction.md` (what the agent is told), `task.toml` (limits and
 environment), `environment/` (how to build its machine), `tests/test.sh` (the verifier, run by
 `adapters.verifier`) and optionally `solution/solve.sh` (the reference solution, Harbor's oracle).
+
+`task.toml` is checked when the task loads, as typed sections (`TaskConfig`): a value of the wrong
+type is one line naming the file, the field and the value, before any run starts, rather than a
+rollout failing (or a timeout silently falling back to a default) mid-run. Keys we do not read are
+allowed, as Harbor's format has many more. `tests/test.sh` need not be executable: every sandbox runs
+it as `bash tests/test.sh`, and uploads copy its bytes, not its mode.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 DEFAULT_WORKDIR = "/app"
 DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 WORKSPACE_SEED_DIR = "workspace"
 SOLUTION_SCRIPT = "solution/solve.sh"
+VERIFIER_SCRIPT = "tests/test.sh"
 HF_REPO_ID = re.compile(r"^hf://(datasets/)?[\w.-]+/[\w.-]+$")
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+ABSOLUTE_PATTERN = "^/"
+AbsolutePath = Annotated[str, msgspec.Meta(pattern=ABSOLUTE_PATTERN)]
 
 
 class TaskError(ValueError):
     """A task directory or dataset that cannot be used (missing files, bad task.toml)."""
+
+
+class TaskSection(msgspec.Struct, kw_only=True):
+    """`[task]`: what the task is called (the directory's name when unset)."""
+
+    name: str | None = None
+
+
+class AgentSection(msgspec.Struct, kw_only=True):
+    """`[agent]`: the agent's time limit (unset: the run's)."""
+
+    timeout_sec: Seconds | None = None
+
+
+class VerifierSection(msgspec.Struct, kw_only=True):
+    """`[verifier]`: the verifier's time limit and environment."""
+
+    timeout_sec: Seconds = DEFAULT_VERIFIER_TIMEOUT_S
+    env: dict[str, str] = {}
+
+
+class EnvironmentSection(msgspec.Struct, kw_only=True):
+    """`[environment]`: where the agent works and its environment variables."""
+
+    workdir: AbsolutePath = DEFAULT_WORKDIR
+    env: dict[str, str] = {}
+
+
+class TaskConfig(msgspec.Struct, kw_only=True):
+    """The sections of Harbor's `task.toml` that harness-rl reads; unknown keys are allowed."""
+
+    task: TaskSection = msgspec.field(default_factory=TaskSection)
+    metadata: dict[str, Any] = {}
+    agent: AgentSection = msgspec.field(default_factory=AgentSection)
+    verifier: VerifierSection = msgspec.field(default_factory=VerifierSection)
+    environment: EnvironmentSection = msgspec.field(default_factory=EnvironmentSection)
 
 
 @dataclass(frozen=True)
@@ -31,32 +82,27 @@ class Task:
     name: str
     path: Path
     instruction: str
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def _section(self, name: str) -> dict[str, Any]:
-        section = self.config.get(name, {})
-        return section if isinstance(section, dict) else {}
+    config: TaskConfig = field(default_factory=TaskConfig)
 
     @property
     def workdir(self) -> str:
-        return str(self._section("environment").get("workdir") or DEFAULT_WORKDIR)
+        return self.config.environment.workdir
 
     @property
     def agent_timeout_s(self) -> float | None:
-        value = self._section("agent").get("timeout_sec")
-        return float(value) if value is not None else None
+        return self.config.agent.timeout_sec
 
     @property
     def verifier_timeout_s(self) -> float:
-        return float(self._section("verifier").get("timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S))
+        return self.config.verifier.timeout_sec
 
     @property
     def verifier_env(self) -> dict[str, str]:
-        return {str(k): str(v) for k, v in self._section("verifier").get("env", {}).items()}
+        return self.config.verifier.env
 
     @property
     def environment_env(self) -> dict[str, str]:
-        return {str(k): str(v) for k, v in self._section("environment").get("env", {}).items()}
+        return self.config.environment.env
 
     @property
     def environment_dir(self) -> Path:
@@ -89,22 +135,79 @@ class Task:
 
 
 def load_task(path: str | Path) -> Task:
-    """Read one task directory; fail with the missing piece named."""
-    path = Path(path).resolve()
-    instruction = path / "instruction.md"
-    if not instruction.is_file():
-        raise TaskError(f"{path} is not a Harbor task: instruction.md is missing")
-    if not (path / "tests" / "test.sh").is_file():
-        raise TaskError(f"{path} is not a Harbor task: tests/test.sh (the verifier) is missing")
-    config: dict[str, Any] = {}
-    toml_file = path / "task.toml"
-    if toml_file.is_file():
-        try:
-            config = tomllib.loads(toml_file.read_text())
-        except tomllib.TOMLDecodeError as error:
-            raise TaskError(f"{toml_file}: {error}") from error
-    name = str(config.get("task", {}).get("name") or path.name)
-    return Task(name=name, path=path, instruction=instruction.read_text(), config=config)
+    """Read one task directory; fail with the missing piece, or the bad task.toml value, named.
+    Messages show the path as given."""
+    shown = Path(path)
+    if not (shown / "instruction.md").is_file():
+        raise TaskError(f"{shown} is not a Harbor task: instruction.md is missing")
+    if not (shown / VERIFIER_SCRIPT).is_file():
+        raise TaskError(f"{shown} is not a Harbor task: {VERIFIER_SCRIPT} (the verifier) is missing")
+    config = read_task_config(shown / "task.toml")
+    path = shown.resolve()
+    return Task(name=config.task.name or path.name, path=path, instruction=(path / "instruction.md").read_text(),
+                config=config)
+
+
+def read_task_config(toml_file: Path) -> TaskConfig:
+    """A task.toml's sections, checked; the defaults when the file is absent."""
+    if not toml_file.is_file():
+        return TaskConfig()
+    try:
+        raw = tomllib.loads(toml_file.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise TaskError(f"{toml_file}: {error}") from None
+    try:
+        return msgspec.convert(raw, TaskConfig)
+    except msgspec.ValidationError as error:
+        raise TaskError(f"{toml_file}: {_explain(str(error), raw)}") from None
+
+
+KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # msgspec's type name: what to say, what matches it
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "object": ("a table", lambda v: isinstance(v, dict)),
+    "array": ("a list", lambda v: isinstance(v, list)),
+}
+VALIDATION = re.compile(r"^Expected `(?P<kinds>[^`]+)`(?:, got `[^`]+`)?(?P<bound>.*?)(?: - at `\$(?P<at>[^`]*)`)?$")
+
+
+def _explain(message: str, raw: dict[str, Any]) -> str:
+    """msgspec's "Expected `float | null`, got `str` - at `$.agent.timeout_sec`" as
+    `agent.timeout_sec: expected a number, got "two minutes"` (TOML has no null; the value is the file's)."""
+    found = VALIDATION.match(message)
+    if found is None:
+        return message
+    kinds = [kind for kind in found["kinds"].split(" | ") if kind != "null"]
+    names, value = _locate(raw, found["at"] or "", kinds)
+    if found["bound"] == f" matching regex '{ABSOLUTE_PATTERN}'":
+        expected = "an absolute path"
+    else:  # "Expected `float` > 0.0": a number > 0
+        expected = " or ".join(KINDS[kind][0] if kind in KINDS else kind for kind in kinds)
+        expected += re.sub(r"(\d)\.0\b", r"\1", found["bound"])
+    return f"{'.'.join(names)}: expected {expected}, got {_shown(value)}"
+
+
+def _locate(raw: dict[str, Any], at: str, kinds: list[str]) -> tuple[list[str], Any]:
+    """The dotted field names and the file's value at msgspec's path (`.agent.timeout_sec`, `.verifier.env[...]`);
+    `[...]` (some entry of a table) is its first entry of none of the expected kinds."""
+    names: list[str] = []
+    value: Any = raw
+    for part in re.findall(r"\.[^.\[]+|\[\.\.\.\]", at):
+        if part == "[...]" and isinstance(value, dict) and value:
+            matches = [KINDS[kind][1] for kind in kinds if kind in KINDS]
+            key = next((k for k, v in value.items() if not any(match(v) for match in matches)), next(iter(value)))
+        else:
+            key = part.lstrip(".")
+        names.append(str(key))
+        value = value.get(key) if isinstance(value, dict) else None
+    return names, value
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_tasks(source: str | Path, cache_dir: str | Path | None = None) -> list[Task]:
@@ -131,13 +234,21 @@ def missing_tasks(source: str) -> str:
 
 
 def _tasks_in(path: Path) -> list[Task]:
-    if (path / "instruction.md").is_file():
+    """One task, or every task directly under `path` (or its `tasks/`): a directory holding any of a task's
+    files is a task, so one missing its instruction.md is named, not skipped."""
+    if not path.is_dir():
+        raise TaskError(f"{path} is a file; give a Harbor task directory, a directory of them, or hf://org/name")
+    if _looks_like_task(path):
         return [load_task(path)]
     root = path / "tasks" if (path / "tasks").is_dir() else path
-    tasks = [load_task(d) for d in sorted(root.iterdir()) if (d / "instruction.md").is_file()]
+    tasks = [load_task(d) for d in sorted(root.iterdir()) if _looks_like_task(d)]
     if not tasks:
         raise TaskError(f"{path} holds no Harbor tasks (no */instruction.md)")
     return tasks
+
+
+def _looks_like_task(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("instruction.md", "task.toml", VERIFIER_SCRIPT))
 
 
 def _download_dataset(source: str, cache_dir: str | Path | None) -> Path:

@@ -3,7 +3,9 @@
 The verifier (`tests/test.sh`) runs inside the sandbox after the agent and writes
 `/logs/verifier/reward.json` (a flat map of numbers) or `/logs/verifier/reward.txt` (one number);
 JSON wins when both exist. A reward we cannot read (no file, an empty file, not a number, NaN/inf,
-no usable key) is `None`, meaning unscorable: it must never be mistaken for a 0 reward.
+no usable key) is `None`, meaning unscorable: it must never be mistaken for a 0 reward, and
+`Verification.problem` says why in one line, with how the verifier ended and the end of its output,
+so a broken task is diagnosed from the run's own messages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from pathlib import PurePosixPath
 
 from adapters.sandboxes.base import Sandbox
 from adapters.tasks import Task
+
+REWARD_DIR = "/logs/verifier"  # as the task's verifier sees it (the local sandbox may keep it elsewhere)
+REWARD_JSON = f"{REWARD_DIR}/reward.json"
+REWARD_TXT = f"{REWARD_DIR}/reward.txt"
+OUTPUT_TAIL_CHARS = 200  # of the verifier's output, in an unscorable rollout's one-line reason
 
 
 @dataclass(frozen=True)
@@ -35,27 +42,27 @@ def parse_reward(json_text: str | None, txt_text: str | None, reward_key: str | 
     if json_text is not None:
         return _parse_reward_json(json_text, reward_key)
     if txt_text is None:
-        return Reward(None, error="the verifier wrote neither reward.json nor reward.txt")
+        return Reward(None, error=f"the verifier wrote neither reward.json nor reward.txt in {REWARD_DIR}")
     if not txt_text.strip():
-        return Reward(None, error="reward.txt is empty")
+        return Reward(None, error=f"{REWARD_TXT} is empty")
     try:
         value = float(txt_text.strip())
     except ValueError:
-        return Reward(None, error=f"reward.txt does not hold a number: {txt_text.strip()[:80]!r}")
+        return Reward(None, error=f"{REWARD_TXT} does not hold a number: {txt_text.strip()[:80]!r}")
     if not math.isfinite(value):
-        return Reward(None, error=f"reward.txt holds a non-finite number: {value}")
+        return Reward(None, error=f"{REWARD_TXT} holds a non-finite number: {value}")
     return Reward(value, {"reward": value})
 
 
 def _parse_reward_json(text: str, reward_key: str | None) -> Reward:
     if not text.strip():
-        return Reward(None, error="reward.json is empty")
+        return Reward(None, error=f"{REWARD_JSON} is empty")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        return Reward(None, error=f"reward.json is not JSON: {error}")
+        return Reward(None, error=f"{REWARD_JSON} is not JSON: {error}")
     if not isinstance(data, dict):
-        return Reward(None, error="reward.json must be a flat map of numbers")
+        return Reward(None, error=f"{REWARD_JSON} must be a flat map of numbers")
     rewards = {
         str(k): float(v)
         for k, v in data.items()
@@ -65,15 +72,15 @@ def _parse_reward_json(text: str, reward_key: str | None) -> Reward:
         wanted = [key.strip() for key in reward_key.split(",") if key.strip()]
         chosen = next((key for key in wanted if key in rewards), None)
         if chosen is None:
-            return Reward(None, rewards, f"reward.json has no finite value for {reward_key!r} (keys: {sorted(data)})")
+            return Reward(None, rewards, f"{REWARD_JSON} has no finite value for {reward_key!r} (keys: {sorted(data)})")
     elif len(data) == 1:
         chosen = next(iter(data))
     elif "reward" in data:
         chosen = "reward"
     else:
-        return Reward(None, rewards, f"reward.json has several keys {sorted(data)}: choose one with reward_key")
+        return Reward(None, rewards, f"{REWARD_JSON} has several keys {sorted(data)}: choose one with reward_key")
     if chosen not in rewards:
-        return Reward(None, rewards, f"reward.json's {chosen!r} is not a finite number: {data[chosen]!r}")
+        return Reward(None, rewards, f"{REWARD_JSON}'s {chosen!r} is not a finite number: {data[chosen]!r}")
     return Reward(rewards[chosen], rewards)
 
 
@@ -85,6 +92,18 @@ class Verification:
     exit_code: int | None
     timed_out: bool
     output: str
+    timeout_s: float
+
+    @property
+    def problem(self) -> str | None:
+        """Why there is no reward, in one line: what the reward files said, how the verifier ended (its exit
+        code, or its time limit), and the end of its output; None when there is one."""
+        if self.reward.value is not None:
+            return None
+        ended = (f"the verifier timed out after {self.timeout_s:g}s (task.toml verifier.timeout_sec)" if self.timed_out
+                 else f"the verifier exited {self.exit_code}")
+        tail = " ".join(self.output.split())[-OUTPUT_TAIL_CHARS:]
+        return f"{self.reward.error}; {ended}" + (f"; its output ends: {tail}" if tail else "; it printed nothing")
 
 
 async def verify(task: Task, sandbox: Sandbox, reward_key: str | None = None) -> Verification:
@@ -104,4 +123,5 @@ async def verify(task: Task, sandbox: Sandbox, reward_key: str | None = None) ->
         await sandbox.read_text(f"{verifier_dir}/reward.txt"),
         reward_key,
     )
-    return Verification(reward, run.exit_code, run.timed_out, (run.stdout + run.stderr)[-4000:])
+    return Verification(reward, run.exit_code, run.timed_out, (run.stdout + run.stderr)[-4000:],
+                        task.verifier_timeout_s)

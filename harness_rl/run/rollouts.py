@@ -242,7 +242,7 @@ class RolloutScheduler:
                     outcome.env_reward = verification.reward.value
                     outcome.reward = score(self.reward_fn, outcome)
                     if verification.reward.value is None:
-                        outcome.error = f"unscorable: {verification.reward.error}"
+                        outcome.error = f"unscorable: {verification.problem}"
             except (RolloutConfigError, RewardFnError):
                 raise
             except (SandboxError, OSError, RuntimeError, ValueError, TimeoutError, aiohttp.ClientError) as error:
