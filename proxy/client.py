@@ -79,15 +79,18 @@ class ProxyClient:
         await self._call("POST", "/admin/resume", Paused)
 
     async def health(self) -> Health:
-        return await self._call("GET", "/health", Health)
+        """The proxy's report, also while it answers 503 (no call can be served now: `reason` says why)."""
+        return await self._call("GET", "/health", Health, also=503)
 
-    async def _call(self, method: str, path: str, reply: type[T], body: msgspec.Struct | None = None) -> T:
+    async def _call(self, method: str, path: str, reply: type[T], body: msgspec.Struct | None = None,
+                    also: int | None = None) -> T:
+        """One control call; its reply decoded (an error status raises, except `also`, whose reply is `reply` too)."""
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=self._timeout)
         data = msgspec.json.encode(body) if body is not None else None
         async with self._http.request(method, self.url + path, data=data, headers=self._headers) as resp:
             payload = await resp.read()
-            if resp.status >= 400:
+            if resp.status >= 400 and resp.status != also:
                 raise ProxyClientError(resp.status, _message(payload))
             if reply is bytes:
                 return payload  # type: ignore[return-value]

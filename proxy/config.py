@@ -83,8 +83,8 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "read it; none: the engine renders every prompt")] = "auto"
     accept_images: Annotated[bool, setting("forward image parts to the engine (only for models that take them)")] \
         = False
-    engine_check_s: Annotated[Positive, setting("with several engines, how often each is probed (/health, and "
-                                              "/weight_info while it is out), seconds")] = 5.0
+    engine_check_s: Annotated[Positive, setting("how often each engine is probed (/health, and /weight_info while "
+                                              "it is out); two failed probes in a row take it out, seconds")] = 5.0
     max_turns: Annotated[AtLeastOne | None, setting("model calls per session before the proxy stops the agent, for "
                                                    "sessions that set none", internal=True)] = None
     max_tokens_per_turn: Annotated[AtLeastOne | None, setting(

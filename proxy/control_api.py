@@ -81,7 +81,7 @@ class EngineHealth(msgspec.Struct, kw_only=True):
 
 
 class Health(msgspec.Struct, kw_only=True):
-    status: str
+    status: str  # "ok" (HTTP 200), or "unavailable" (503: no call can be served now, and `reason` says why)
     sessions: int
     paused: bool
     in_flight: int
@@ -91,6 +91,7 @@ class Health(msgspec.Struct, kw_only=True):
     connections: int = 0
     connections_refused: int = 0  # closed at accept: over a budget with no idle unknown connection to close
     connections_evicted: int = 0  # idle connections no key owns, closed to make room for a new one
+    reason: str | None = None  # waiting for the engine at start, or no engine serving
 
 
 class ErrorDetail(msgspec.Struct):

@@ -82,12 +82,15 @@ class ControlRoutes:
         return web.Response(text="harness-rl proxy\n")
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while agents' calls can be served; 503 with the reason while none can (the same report)."""
         gate = self.pipeline.gate
-        return json_response(Health(status="ok", sessions=len(self.registry.by_id), paused=gate.paused,
-                                    in_flight=gate.in_flight, policy_version=self.pipeline.announced_version,
-                                    engines=self.engines.health(), recovery=self.registry.recovery,
-                                    connections=self.guard.open, connections_refused=self.guard.refused,
-                                    connections_evicted=self.guard.evicted))
+        unavailable = self.engines.unavailable()
+        health = Health(status="ok" if unavailable is None else "unavailable", reason=unavailable,
+                        sessions=len(self.registry.by_id), paused=gate.paused, in_flight=gate.in_flight,
+                        policy_version=self.pipeline.announced_version, engines=self.engines.health(),
+                        recovery=self.registry.recovery, connections=self.guard.open,
+                        connections_refused=self.guard.refused, connections_evicted=self.guard.evicted)
+        return json_response(health, status=200 if unavailable is None else 503)
 
     async def create_session(self, request: web.Request) -> web.Response:
         self._admin(request)

@@ -5,16 +5,22 @@ conversation; a new session goes to the serving engine with the fewest open sess
 fewest requests at it). An engine that stops answering (a refused or broken connection it cannot
 explain with a healthy `/health`, or two failed health probes in a row) is taken out, and its
 sessions' next requests go to another engine: their prompts are token ids (token in, token out), so
-a conversation stays one exact chain whichever engine samples its next turn. A vLLM server with
-data parallelism (`--data-parallel-size N`) is N places a session can stay: its samples carry the
-rank it stays on (`X-data-parallel-rank`), so vLLM does not spread one conversation over its copies.
+a conversation stays one exact chain whichever engine samples its next turn. Every engine is probed
+every `check_s`, one engine as well as several, so `/health` says when none serves; a call that finds
+none serving probes them all once more before it is answered 503, so an engine that is back serves
+at once. A vLLM server with data parallelism (`--data-parallel-size N`) is N places a session can
+stay: its samples carry the rank it stays on (`X-data-parallel-rank`), so vLLM does not spread one
+conversation over its copies.
 
 An engine serves only while it holds the weights the learner last announced. When a version is
 announced, the engines that report it (`GET /weight_info`) serve and the others wait, `stale`,
 until a sync reaches them; an engine that comes back after a crash waits the same way, so it never
 samples with the weights it started with. An announcement no engine reports (a run that never
-pushes weights) changes nothing. With one engine nothing is ever taken out: its errors reach the
-agent as they always did.
+pushes weights) changes nothing. With one engine, a call's failure reaches the agent as the engine's
+own error (there is no other engine to move the call to); only the probes take it out.
+
+While `waiting` is set (`harness-rl serve proxy` waits for its engine and checks it), no call is
+sent: each is answered 503 with that reason.
 
 The session a request is made for rides in a context variable (`bind_session`, set by the agent
 route), so every request made on a call's behalf — prompt rendering, sampling, the parsers' reads —
@@ -125,6 +131,7 @@ class EnginePool(EngineClient):
         self.upstreams = [Upstream(u.rstrip("/")) for u in urls]
         self.check_s = check_s
         self.fleet_version: str | None = None  # the announced version some engine reported
+        self.waiting: str | None = None  # why no call is sent yet (see the module)
         self._bound: dict[str, tuple[Session, Place]] = {}
         self._tasks: list[asyncio.Task[None]] = []  # the health watch, learning the data-parallel copies
         super().__init__(self.upstreams[0].url, **client)
@@ -142,14 +149,27 @@ class EnginePool(EngineClient):
     async def start(self) -> None:
         await super().start()
         self._tasks.append(asyncio.create_task(self._learn_ranks()))
-        if len(self.upstreams) > 1:
-            self._tasks.append(asyncio.create_task(self._watch()))
+        self._tasks.append(asyncio.create_task(self._watch()))
+
+    async def open(self) -> None:
+        """Send calls from now on (the wait is over), each engine's state fresh from a probe."""
+        await self._probe_all()
+        self.waiting = None
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await super().close()
+
+    def unavailable(self) -> str | None:
+        """Why no call can be served now (None: an engine serves); what `/health` and a refused call say."""
+        if self.waiting is not None:
+            return self.waiting
+        if any(u.state == "serving" for u in self.upstreams):
+            return None
+        why = "; ".join(f"{u.url} {u.state}: {u.reason}" for u in self.upstreams)
+        return f"no engine is serving ({why})"
 
     def health(self) -> list[EngineHealth]:
         open_sessions = self._open_sessions()
@@ -167,6 +187,8 @@ class EnginePool(EngineClient):
             token = None
         try:
             while True:
+                if self.waiting is None and all(u.state != "serving" for u in self.upstreams):
+                    await self._probe_all()  # none serves: ask them all once more before refusing the call
                 place = self._place_for(route)
                 upstream = route.upstream = place.upstream
                 sent = dict(headers or {})
@@ -192,7 +214,11 @@ class EnginePool(EngineClient):
 
     def _place_for(self, route: Route) -> Place:
         """The session's place while its engine serves; else (a new session, or its engine out) the least loaded
-        place (engine and data-parallel copy) of a serving engine. With one engine and no data parallelism, it."""
+        place (engine and data-parallel copy) of a serving engine. With one engine and no data parallelism, it.
+        None serving (or the proxy still waiting for its engine): 503, with the reason."""
+        unavailable = self.unavailable()
+        if unavailable is not None:
+            raise ProxyError(503, unavailable, headers={"Retry-After": NO_ENGINE_RETRY_AFTER_S})
         session = route.session
         if len(self.upstreams) == 1 and (self.upstreams[0].ranks or 1) == 1:
             return Place(self.upstreams[0])
@@ -200,9 +226,6 @@ class EnginePool(EngineClient):
         if bound is not None and bound[1].upstream.state == "serving":
             return bound[1]
         serving = [u for u in self.upstreams if u.state == "serving"]
-        if not serving:
-            why = "; ".join(f"{u.url} {u.state}: {u.reason}" for u in self.upstreams)
-            raise ProxyError(503, f"no engine is serving ({why})", headers={"Retry-After": NO_ENGINE_RETRY_AFTER_S})
         if session is None:
             return Place(min(serving, key=lambda u: u.in_flight))
         open_sessions = self._open_sessions()
@@ -283,7 +306,11 @@ class EnginePool(EngineClient):
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.check_s)
-            await asyncio.gather(*(self._probe(u) for u in self.upstreams))
+            await self._probe_all()
+
+    async def _probe_all(self) -> None:
+        """Probe every engine once, afresh (a probe begun earlier may predate an engine's return)."""
+        await asyncio.gather(*(self._probe(u) for u in self.upstreams))
 
     async def _probe(self, upstream: Upstream) -> None:
         """Take a serving engine out after failed probes in a row; let a live one back in once it holds the

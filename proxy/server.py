@@ -134,9 +134,14 @@ class RunningProxy:
         await self.proxy.agents.cancel_captures()
 
 
-async def start_proxy(config: ProxyConfig) -> RunningProxy:
-    """Start the proxy inside the running event loop, its connections counted and timed (`proxy.limits`)."""
+async def start_proxy(config: ProxyConfig, waiting: str | None = None) -> RunningProxy:
+    """Start the proxy inside the running event loop, its connections counted and timed (`proxy.limits`).
+
+    With `waiting`, it listens but sends no call (each is answered 503 with that reason) until
+    `proxy.engine.open()`: `harness-rl serve proxy` waits so for its engine and checks it.
+    """
     proxy = Proxy(config)
+    proxy.engine.waiting = waiting
     runner = web.AppRunner(proxy.app, handle_signals=False)
     await runner.setup()
     loop = asyncio.get_running_loop()

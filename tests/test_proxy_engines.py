@@ -243,17 +243,31 @@ def test_with_no_engine_serving_a_call_is_503_with_retry_after_and_nothing_is_re
     assert agent.chat(TASK).status_code == 200
 
 
-def test_one_engine_is_never_taken_out(engines: list[Engine], tmp_path: Path) -> None:
+def test_its_only_engine_dead_health_is_503_and_200_again_once_it_is_back(engines: list[Engine],
+                                                                          tmp_path: Path) -> None:
+    """One engine is probed as several are: two failed probes take it out, one answered brings it back."""
     only = engines[0]
     config = ProxyConfig(upstream=only.url, store_dir=str(tmp_path / "store"), retries=0, engine_check_s=0.1)
     with serve_proxy(config) as running:
         agent = Agent(running)
+        turn(agent, TASK)
+        assert httpx.get(f"{running.url}/health").status_code == 200 and health(running).status == "ok"
         only.stop()
-        got = agent.chat(TASK)
-        assert got.status_code == 502 and f"cannot reach the engine at {only.url}" in got.json()["error"]["message"]
+        died = time.monotonic()
+        wait_for(lambda: httpx.get(f"{running.url}/health").status_code == 503, timeout_s=60)
+        taken_out_s = time.monotonic() - died  # two intervals (0.2 s) on an idle machine; not asserted: timing
+        state = health(running)
+        assert state.status == "unavailable" and state.engines[0].state == "down"
+        assert state.reason == f"no engine is serving ({only.url} down: 2 health probes in a row failed)", \
+            taken_out_s
+        got = agent.chat(TASK)  # refused at once, in the agent's dialect, after one more probe
+        assert got.status_code == 503 and got.headers["Retry-After"] == "5"
+        assert got.json()["error"]["message"] == state.reason
         only.start()
-        assert agent.chat(TASK).status_code == 200
-        assert health(running).engines[0].state == "serving"
+        assert agent.chat(TASK).status_code == 200  # a call finding none serving probes first: it is back at once
+        wait_for(lambda: httpx.get(f"{running.url}/health").status_code == 200, timeout_s=60)
+        assert health(running).reason is None and health(running).engines[0].state == "serving"
+        assert [t.metadata["engine"] for t in agent.trace().turns] == [only.url] * 2  # the 503 recorded nothing
 
 
 def test_the_same_engine_twice_is_refused() -> None:
