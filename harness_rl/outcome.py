@@ -5,12 +5,13 @@ same fields here (`env_reward`, `tool_call_count`, `tool_failure_count`, `tool_c
 `timed_out`; TRL's `completion` message list is `messages`, since `completion` here is the agent's
 final text). A reward of `None` means unscorable (the sandbox never started, the verifier
 wrote nothing): such a rollout is left out of its group's baseline and never trained, never
-treated as 0.
+treated as 0; its `error` says why, and `unscorable_cause` sums those reasons up in one line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -66,3 +67,12 @@ RewardFn = Callable[[RolloutOutcome], "float | None"]
 def default_reward(outcome: RolloutOutcome) -> float | None:
     """The verifier's reward as is; `None` stays unscorable."""
     return outcome.env_reward
+
+
+def unscorable_cause(outcomes: Sequence[RolloutOutcome]) -> str:
+    """The commonest reason among the unscorable outcomes (at least one), and how many it is of them all: one line,
+    for a run that must stop because nothing could be scored."""
+    reasons = Counter((o.error or "the reward function returned None").removeprefix("unscorable: ")
+                      for o in outcomes if not o.scorable)
+    reason, count = reasons.most_common(1)[0]
+    return f"{reason} ({count} of {len(outcomes)} rollouts)"

@@ -108,6 +108,7 @@ def test_step_metrics_by_hand() -> None:
         "tools/failure_frequency": pytest.approx((1 / 4 + 2 / 2 + 0) / 3),
         "tools/bash/call_total": 5.0, "tools/read/call_total": 1.0, "tools/bash/failure_total": 3.0,
         "rollout/correctness_mean": pytest.approx((1.0 + 0.0 + 0.5 + 0.0) / 4),
+        "rollouts/scored": 4.0, "rollouts/unscorable": 1.0,  # "c" has no reward
     }
     assert "rollout/correctness_mean" not in rollout_metrics(groups(), custom_reward=False)
     assert "tools 2.0 | tool fail 0.42" in console_line(1, metrics)

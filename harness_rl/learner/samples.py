@@ -101,8 +101,8 @@ def build_samples(
     forwarded = [len(s.row) for s in samples]
     trained = [s.row.n_trained for s in samples]
     metrics = {
-        "reward": _mean(rewards),
-        "reward_std": statistics.pstdev(rewards) if rewards else 0.0,
+        # over the scored rollouts; with none scored there is no mean (absent), never a 0
+        **({"reward": _mean(rewards), "reward_std": statistics.pstdev(rewards)} if rewards else {}),
         "batch/groups_per_step": float(len(groups)),
         "batch/samples_per_step": float(len(samples)),
         "sample/zero_std_groups_total": float(counts["zero_std_groups"]),

@@ -9,7 +9,9 @@ harness-rl run and a TRL run plot side by side.
 `rollout_metrics` adds what TRL's harness trainer logs about the step's rollouts themselves: tool use
 (`tools/call_frequency`, `tools/failure_frequency`, `tools/<name>/call_total`,
 `tools/<name>/failure_total`) and, when a reward function replaces the verifier's reward,
-`rollout/correctness_mean` (the verifier's mean).
+`rollout/correctness_mean` (the verifier's mean); and what TRL has no name for: how many rollouts were
+scored (`rollouts/scored`) and how many were not (`rollouts/unscorable`, no reward at all: never
+averaged as 0, so a step with none scored has no `reward`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,7 +31,8 @@ DEFAULT_REPORT_TO = ("jsonl", "tensorboard")
 TRL_PREFIX = "train/"
 
 CONSOLE_KEYS = (
-    ("loss", "loss", "{:.4f}"), ("reward", "reward", "{:.3f}"), ("grad_norm", "gnorm", "{:.3f}"),
+    ("loss", "loss", "{:.4f}"), ("reward", "reward", "{:.3f}"), ("rollouts/scored", "scored", "{:.0f}"),
+    ("rollouts/unscorable", "unscorable", "{:.0f}"), ("grad_norm", "gnorm", "{:.3f}"),
     ("learning_rate", "lr", "{:.2e}"), ("kl", "kl", "{:.4f}"), ("entropy", "ent", "{:.3f}"),
     ("clip_ratio/region_mean", "clip", "{:.3f}"), ("sample/staleness_mean", "stale", "{:.2f}"),
     ("batch/trained_tokens_per_step", "tok", "{:.0f}"), ("rollout/correctness_mean", "correct", "{:.3f}"),
@@ -51,25 +54,27 @@ def console_line(step: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-def rollout_metrics(groups: Iterable[RolloutGroup], custom_reward: bool) -> dict[str, float]:
-    """TRL's tool and correctness metrics of a step's rollouts (its harness trainer's rules).
+def rollout_metrics(groups: Sequence[RolloutGroup], custom_reward: bool) -> dict[str, float]:
+    """TRL's tool and correctness metrics of a step's rollouts (its harness trainer's rules), and how many were
+    scored and unscorable.
 
     Per rollout, its tool calls and the share of them whose result failed (0 without calls); each a mean
     over the rollouts of the groups that called any tool. Per tool, sums over every rollout.
     `rollout/correctness_mean` is the mean verifier reward of the rollouts that have one, logged only when
     `custom_reward` (a reward function) made the rewards something else.
     """
-    metrics: dict[str, float] = {}
+    outcomes = [o for group in groups for o in group.outcomes]
+    scored = sum(o.scorable for o in outcomes)
+    metrics = {"rollouts/scored": float(scored), "rollouts/unscorable": float(len(outcomes) - scored)}
     calls: list[float] = []
     failure_rates: list[float] = []
     correctness: list[float] = []
     for group in groups:
-        outcomes = group.outcomes
-        if sum(o.tool_call_count for o in outcomes):
-            calls.extend(float(o.tool_call_count) for o in outcomes)
+        if sum(o.tool_call_count for o in group.outcomes):
+            calls.extend(float(o.tool_call_count) for o in group.outcomes)
             failure_rates.extend(o.tool_failure_count / o.tool_call_count if o.tool_call_count else 0.0
-                                 for o in outcomes)
-        for outcome in outcomes:
+                                 for o in group.outcomes)
+        for outcome in group.outcomes:
             for name, count in outcome.tool_calls_by_name.items():
                 key = f"tools/{name}/call_total"
                 metrics[key] = metrics.get(key, 0.0) + count

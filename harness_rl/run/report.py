@@ -1,4 +1,8 @@
-"""The end of a run: a reward/loss plot and a summary, both read back from `metrics.jsonl`."""
+"""The end of a run: a reward/loss plot and a summary, both read back from `metrics.jsonl`.
+
+Rewards are means over scored rollouts: a step with none scored has no reward (no point on the plot, not
+a 0), and the summary counts the scored and unscorable rollouts of the whole run.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ def summarize(rows: list[dict[str, float]], *, duration_s: float) -> dict[str, A
         "reward_first_steps": _mean(rewards[:WINDOW]),
         "reward_last_steps": _mean(rewards[-WINDOW:]),
         "reward_window_steps": WINDOW,
+        "rollouts_scored": int(sum(row.get("rollouts/scored", 0.0) for row in rows)),
+        "rollouts_unscorable": int(sum(row.get("rollouts/unscorable", 0.0) for row in rows)),
         "loss_last": rows[-1].get("loss") if rows else None,
         # agent turns after each rollout's first that chained onto the one before (harness_rl.trace.stats)
         "chained_turns_share": sum(row.get("rollout/chained_turns", 0.0) for row in rows) / later if later else None,
@@ -68,10 +74,13 @@ def write_report(output_dir: Path, *, started: float, stopped: str | None = None
         summary["plot"] = str(output_dir / "training.png")
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     first, last = summary["reward_first_steps"], summary["reward_last_steps"]
-    change = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "n/a"
+    scored = first is not None and last is not None
+    change = f"{first:.3f} -> {last:.3f}" if scored else "n/a (no step scored a rollout)"
     chained = summary["chained_turns_share"]
     chain = f"; {chained:.1%} of later agent turns chained" if chained is not None else ""
+    unscorable, rollouts = summary["rollouts_unscorable"], summary["rollouts_scored"] + summary["rollouts_unscorable"]
+    lost = f"; {unscorable} of {rollouts} rollouts unscorable (rollouts.jsonl says why)" if unscorable else ""
     ended = "done" if stopped is None else "stopped"
     print(f"{ended}: {summary['steps']} steps in {summary['duration_s']:.0f}s; mean reward over the first/last "
-          f"{WINDOW} steps {change}{chain}; outputs in {output_dir}")
+          f"{WINDOW} steps {change}{lost}{chain}; outputs in {output_dir}")
     return summary

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness_rl.outcome import RewardFn, RolloutGroup, default_reward
+from harness_rl.outcome import RewardFn, RolloutGroup, default_reward, unscorable_cause
 from harness_rl.run.config import RunConfig, to_toml
 from harness_rl.run.engines import RunStopped
 from harness_rl.run.metrics import rollout_metrics
@@ -178,10 +178,13 @@ class Run:
 
 
 def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
-    """Stop a run whose every rollout in a step failed for a setup reason: more steps would fail the same way."""
+    """Stop a run whose every rollout in a step failed for a setup reason, or whose first step scored none (a broken
+    task: its verifier writes no reward, times out, ...): more steps would fail the same way, training on nothing."""
     outcomes = [o for group in batch for o in group.outcomes]
     if outcomes and all(o.config_error for o in outcomes):
         raise RunStopped(f"every rollout of step {step} failed for a setup reason: {outcomes[0].error}")
+    if step == 1 and outcomes and not any(o.scorable for o in outcomes):
+        raise RunStopped(f"no rollout of step 1 could be scored: {unscorable_cause(outcomes)}")
 
 
 def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = None,
