@@ -97,12 +97,32 @@ def test_bad_files_get_one_clear_line_and_no_traceback(tmp_path: Path, good: Pat
     path.write_bytes(content)
     done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "traces", "validate", str(path)],
                           capture_output=True, text=True)
-    assert done.returncode != 0
+    assert done.returncode == 2  # no trace to check (1 is for a trace that breaks the contract)
     assert "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"harness-rl: {path}: ") and reason in line
 
 
-def test_missing_file_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no such file"):
+def test_missing_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
         main(["traces", "show", str(tmp_path / "nope.json")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"harness-rl: {tmp_path / 'nope.json'}: no such file\n"
+
+
+@pytest.mark.parametrize("action", ["validate", "show", "export"])
+def test_input_that_holds_no_trace_is_refused_and_nothing_written(tmp_path: Path, action: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder, a proxy store's other JSON lines, an empty file: exit 2, one line, no export written."""
+    lines = tmp_path / "notes.jsonl"
+    lines.write_text('{"note": "not a session log"}\n')
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    out = tmp_path / "out.json"
+    for path, reason in ((tmp_path, "is a directory"), (lines, "not a proxy session log"), (empty, "truncated")):
+        with pytest.raises(SystemExit) as exited:
+            main(["traces", action, str(path), *([str(out)] if action == "export" else [])])
+        assert exited.value.code == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"harness-rl: {path}: ") and reason in line
+    assert not out.exists()

@@ -136,14 +136,21 @@ def test_a_full_page_keeps_the_newest_steps(fixture_run: FixtureRun, tmp_path: P
     assert used == set(range(len(data["texts"])))
 
 
+def refused(argv: list[str], capsys) -> str:
+    """The one line `harness-rl view` refuses `argv` with (exit 2)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["view", *argv])
+    assert exited.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    return line
+
+
 def test_bad_arguments_say_what_is_wrong(fixture_run: FixtureRun, tmp_path: Path, capsys):
-    with pytest.raises(SystemExit, match="nowhere: no such file or directory"):
-        main(["view", str(tmp_path / "nowhere")])
-    with pytest.raises(SystemExit, match="no tokenizer.json at"):
-        main(["view", str(fixture_run.path), "--tokenizer", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        main(["view", str(fixture_run.path), "--steps", "a:b"])
-    assert "is not FIRST:LAST" in capsys.readouterr().err
+    nowhere = tmp_path / "nowhere"
+    assert refused([str(nowhere)], capsys) == f"harness-rl view: {nowhere}: no such file or directory"
+    assert refused([str(fixture_run.path), "--tokenizer", str(tmp_path)], capsys).startswith(
+        "harness-rl view: no tokenizer.json at")
+    assert "is not FIRST:LAST" in refused([str(fixture_run.path), "--steps", "a:b"], capsys)
     (fixture_run.path / "traces" / "s001-g1-r0.json").write_text("{not json")
     main(["view", str(fixture_run.path), "-o", str(tmp_path / "p.html")])
     broken = next(r for r in embedded(tmp_path / "p.html")["rollouts"] if r["rollout_id"] == "s001-g1-r0")
@@ -212,3 +219,24 @@ def test_serve_answers_the_page_on_loopback(fixture_run: FixtureRun, tmp_path: P
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_folder_or_file_without_traces_is_refused_and_nothing_written(fixture_run: FixtureRun, tmp_path: Path,
+                                                                       capsys, monkeypatch):
+    """A folder that is no run, or a file that is no trace, would give a page of nothing that passes for a run that
+    recorded nothing: one line, exit 2, no view.html (in the folder, or here for trace files)."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("no run here")
+    assert refused([str(folder)], capsys) == (
+        f"harness-rl view: {folder} holds no run (none of metrics.jsonl, rollouts.jsonl, traces/*.json): give the "
+        "--output-dir of harness-rl train, or trace files")
+    not_a_trace = folder / "readme.txt"
+    line = refused([str(not_a_trace)], capsys)
+    assert line.startswith(f"harness-rl view: {not_a_trace} holds no trace: trace unreadable: ")
+    good = next((fixture_run.path / "traces").glob("*.json"))
+    assert refused([str(good), str(not_a_trace), "-o", str(tmp_path / "p.html")], capsys).startswith(
+        f"harness-rl view: {not_a_trace} holds no trace")
+    assert sorted(p.name for p in folder.iterdir()) == ["readme.txt"] and not (tmp_path / "p.html").exists()
+    assert not (tmp_path / "view.html").exists()

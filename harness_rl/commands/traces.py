@@ -33,7 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _load(path: Path) -> TrainingTrace:
-    """Read a trace file, OpenEnv JSON or proxy session log, or exit with one line saying why it cannot be read."""
+    """Read a trace file, OpenEnv JSON or proxy session log, or exit 2 with one line saying why it holds no trace
+    (exit 1 is kept for a trace that breaks the contract)."""
     try:
         if path.suffix == ".jsonl":
             from proxy.recovery import trace_from_log
@@ -46,7 +47,8 @@ def _load(path: Path) -> TrainingTrace:
         reason = "is a directory"
     except (TraceFormatError, OSError, ValueError) as exc:
         reason = str(exc)
-    raise SystemExit(f"harness-rl: {path}: {reason}")
+    print(f"harness-rl: {path}: {reason}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def run_validate(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import http.server
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from harness_rl.viewer.load import DEFAULT_MAX_BYTES
 
@@ -45,24 +46,30 @@ def _step_range(text: str) -> tuple[int | None, int | None]:
         raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST (e.g. 30:40, 30: or :10)") from None
 
 
+def refuse(message: str) -> NoReturn:
+    """Bad input: one line, exit 2, nothing written."""
+    print(f"harness-rl view: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run(args: argparse.Namespace) -> int:
-    from harness_rl.viewer.load import load_run, load_traces
+    from harness_rl.viewer.load import NoTraceError, load_run, load_traces
     from harness_rl.viewer.page import render_page
     from harness_rl.viewer.tokens import TokenizerError, find_tokenizer, open_tokenizer
 
     paths: list[Path] = args.paths
     missing = [p for p in paths if not p.exists()]
     if missing:
-        raise SystemExit(f"harness-rl view: {missing[0]}: no such file or directory")
+        refuse(f"{missing[0]}: no such file or directory")
     run_dir = paths[0] if len(paths) == 1 and paths[0].is_dir() else None
     if run_dir is None and any(p.is_dir() for p in paths):
-        raise SystemExit("harness-rl view: give one run directory, or trace files (not both)")
+        refuse("give one run directory, or trace files (not both)")
     tokenizer_path = args.tokenizer or (find_tokenizer(run_dir) if run_dir else None)
     try:
         tokens = open_tokenizer(tokenizer_path) if tokenizer_path else None
-    except TokenizerError as exc:
-        raise SystemExit(f"harness-rl view: {exc}") from None
-    view = load_run(run_dir, tokens, args.steps, int(args.max_mb * 1e6)) if run_dir else load_traces(paths, tokens)
+        view = load_run(run_dir, tokens, args.steps, int(args.max_mb * 1e6)) if run_dir else load_traces(paths, tokens)
+    except (TokenizerError, NoTraceError) as exc:
+        refuse(str(exc))
     output = args.output or (run_dir / "view.html" if run_dir else Path("view.html"))
     page = render_page(view).encode("utf-8")
     output.write_bytes(page)

@@ -2,8 +2,10 @@
 
 A run directory holds `metrics.jsonl` (one row per learner step), `rollouts.jsonl` (one row per
 consumed rollout) and `traces/<rollout_id>.json`; any of them may be missing and the page simply
-shows less. Turn fields that older traces lack (`prompt_source`, `prefix_break`, `reply`,
-`delivered`) are read with `getattr`, falling back to what older traces recorded.
+shows less, but a directory holding none of them, or a loose file that is not a trace, is refused
+(`NoTraceError`): a page of nothing would pass for a run that recorded nothing. Turn fields that
+older traces lack (`prompt_source`, `prefix_break`, `reply`, `delivered`) are read with `getattr`,
+falling back to what older traces recorded.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ MAX_TEXT_CHARS = 20_000  # one message or reply; longer texts are cut with a not
 BREAK_WINDOW = 8  # tokens shown on each side of a prefix break
 LOGP_DIGITS = 3
 DEFAULT_MAX_BYTES = 40_000_000  # traces embedded in one page; past it the newest steps win
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "traces/*.json")
+
+
+class NoTraceError(ValueError):
+    """Input that holds nothing to show: a directory that is not a run, a file that is not a trace."""
 
 
 class Texts:
@@ -90,6 +97,9 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
     small enough to open and shows where training ended up; older rollouts keep their row and say why
     their turns are missing.
     """
+    if not any(any(run_dir.glob(pattern)) for pattern in RUN_FILES):
+        raise NoTraceError(f"{run_dir} holds no run (none of {', '.join(RUN_FILES)}): give the --output-dir of "
+                           "harness-rl train, or trace files")
     texts = Texts()
     roles = _train_roles(run_dir)
     rows = _read_jsonl(run_dir / "rollouts.jsonl")
@@ -125,10 +135,17 @@ def load_run(run_dir: Path, tokens: TokenText | None, steps: tuple[int | None, i
 
 
 def load_traces(paths: Iterable[Path], tokens: TokenText | None) -> View:
-    """Loose trace files: one rollout each, described by the trace's own metadata; no charts."""
+    """Loose trace files: one rollout each, described by the trace's own metadata; no charts. Every file must be
+    a trace."""
     texts = Texts()
     paths = list(paths)
-    rollouts = [_rollout_from_trace_file(path, tokens, texts) for path in paths]
+    traces = []
+    for path in paths:
+        trace, why = _read_trace(path)
+        if trace is None:
+            raise NoTraceError(f"{path} holds no trace: {why}")
+        traces.append(trace)
+    rollouts = [_rollout_from_trace(trace, tokens, texts) for trace in traces]
     title = paths[0].name if len(paths) == 1 else f"{len(paths)} traces"
     return View(title=title, source=", ".join(map(str, paths)), tokenizer=str(tokens.path) if tokens else None,
                 charts=[], metrics=[], rollouts=rollouts, texts=texts.items,
@@ -198,32 +215,48 @@ def _rollout_from_row(row: dict[str, Any]) -> RolloutView:
 
 
 def _rollout_from_trace_file(path: Path, tokens: TokenText | None, texts: Texts,
-                             roles: frozenset[str] = AGENT_ONLY) -> RolloutView:
-    view = RolloutView(rollout_id=path.stem)
-    trace = _attach_trace(view, path, tokens, texts, roles)
-    if trace is not None:
-        meta = trace.metadata
-        view.rollout_id = trace.rollout_id
-        view.step, view.group_id = _integer(meta.get("step")), _integer(meta.get("group_id"))
-        view.task, view.harness = _text(meta.get("task")), _text(meta.get("harness"))
-        view.reward, view.advantage = _number(meta.get("reward")), _number(meta.get("advantage"))
-        view.error = meta.get("error") or None
+                             roles: frozenset[str]) -> RolloutView:
+    trace, why = _read_trace(path)
+    if trace is None:
+        return RolloutView(rollout_id=path.stem, trace_note=why)
+    return _rollout_from_trace(trace, tokens, texts, roles)
+
+
+def _rollout_from_trace(trace: TrainingTrace, tokens: TokenText | None, texts: Texts,
+                        roles: frozenset[str] = AGENT_ONLY) -> RolloutView:
+    """A rollout known only by its trace, described by the trace's own metadata."""
+    meta = trace.metadata
+    view = RolloutView(
+        rollout_id=trace.rollout_id, step=_integer(meta.get("step")), group_id=_integer(meta.get("group_id")),
+        task=_text(meta.get("task")), harness=_text(meta.get("harness")), reward=_number(meta.get("reward")),
+        advantage=_number(meta.get("advantage")), error=meta.get("error") or None)
+    _show_turns(view, trace, tokens, texts, roles)
     return view
 
 
-def _attach_trace(view: RolloutView, path: Path, tokens: TokenText | None, texts: Texts,
-                  roles: frozenset[str]) -> TrainingTrace | None:
+def _read_trace(path: Path) -> tuple[TrainingTrace | None, str | None]:
+    """The trace in `path`, or None and why it cannot be read."""
     try:
-        trace = TrainingTrace.load(path)
+        return TrainingTrace.load(path), None
     except FileNotFoundError:
-        view.trace_note = f"trace file missing: {path.name}"
-        return None
+        return None, f"trace file missing: {path.name}"
     except (TraceFormatError, OSError) as exc:
-        view.trace_note = f"trace unreadable: {exc}"
-        return None
+        return None, f"trace unreadable: {exc}"
+
+
+def _attach_trace(view: RolloutView, path: Path, tokens: TokenText | None, texts: Texts,
+                  roles: frozenset[str]) -> None:
+    trace, why = _read_trace(path)
+    if trace is None:
+        view.trace_note = why
+    else:
+        _show_turns(view, trace, tokens, texts, roles)
+
+
+def _show_turns(view: RolloutView, trace: TrainingTrace, tokens: TokenText | None, texts: Texts,
+                roles: frozenset[str]) -> None:
     view.turns = turn_views(trace, tokens, texts, roles)
     view.turn_count = view.turn_count or len(trace.turns)
-    return trace
 
 
 def turn_views(trace: TrainingTrace, tokens: TokenText | None, texts: Texts,
