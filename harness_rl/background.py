@@ -8,6 +8,7 @@ coroutines with `run`; everything async in one process shares that loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -36,9 +37,9 @@ class BackgroundLoop:
             future.cancel()
             raise
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """Start `coro` on the loop without waiting; the returned future is the loop's own."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[return-value]
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the loop without waiting; wait for it later with the future's `result(timeout)`."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     @property
     def alive(self) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 from fake_engine import Scripted
 
@@ -20,7 +21,7 @@ from adapters.harnesses.echo import EchoHarness
 from adapters.sandboxes import Sandbox, SandboxStartError
 from adapters.sandboxes.local import LocalSandbox, marked_processes
 from adapters.tasks import load_task
-from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler, rollout_seed
+from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler, SchedulerState, rollout_seed
 from proxy.client import ProxyClient
 from proxy.sampling import call_seed
 
@@ -73,11 +74,11 @@ class TrackedSandboxes:
         return [pid for box in self.made if isinstance(box, LocalSandbox) for pid in marked_processes(box.id)]
 
 
-def scheduler(client, tasks=(DIGITS,), factory=None, harness=None, **config) -> RolloutScheduler:
+def scheduler(client, tasks=(DIGITS,), factory=None, harness=None, max_groups=None, **config) -> RolloutScheduler:
     options = {"harness": "echo", "num_generations": 4, "max_concurrent_rollouts": 4, "sandbox_retry_backoff_s": 0.01,
                **config}
     return RolloutScheduler(list(tasks), client, RolloutConfig(**options), harness=harness,
-                            sandbox_factory=factory or TrackedSandboxes())
+                            sandbox_factory=factory or TrackedSandboxes(), max_groups=max_groups)
 
 
 async def test_a_group_scores_each_echo_answer_with_the_verifier(client, fake_engine) -> None:
@@ -97,22 +98,49 @@ async def test_a_group_scores_each_echo_answer_with_the_verifier(client, fake_en
     assert all(not root.exists() for root in sandboxes.roots) and not sandboxes.processes_left()
 
 
-async def test_groups_stream_into_the_queue_within_the_concurrency_limit(client, fake_engine) -> None:
+async def test_groups_are_handed_over_within_the_concurrency_limit(client, fake_engine) -> None:
     tasks = [DIGITS, load_task(TASKS / "write-greeting")]
     sandboxes = TrackedSandboxes()
-    runner = scheduler(client, tasks, sandboxes, num_generations=2, max_concurrent_rollouts=3)
-    queue: asyncio.Queue = asyncio.Queue()
-    await runner.run(queue, num_groups=3)
-    groups = [queue.get_nowait() for _ in range(queue.qsize())]
+    runner = scheduler(client, tasks, sandboxes, num_generations=2, max_concurrent_rollouts=3, max_groups=3)
+    groups = [await runner.next_group() for _ in range(3)]
     assert sorted(g.group_id for g in groups) == [0, 1, 2]
     assert {g.group_id: g.task.removeprefix("harness-rl/") for g in groups} == {
         0: "digits", 1: "write-greeting", 2: "digits"}
     assert all(len(g.outcomes) == 2 for g in groups)
     assert 1 < sandboxes.peak <= 3
-    assert runner.state_dict() == {"task_cursor": 3, "groups_started": 3}
-    resumed = scheduler(client, tasks)
-    resumed.load_state_dict(runner.state_dict())
-    assert resumed._next_group()[0].name == "harness-rl/write-greeting"
+    assert runner.state() == SchedulerState(next_group=3)
+    with pytest.raises(RuntimeError, match="no group left"):
+        await runner.next_group()
+    resumed = scheduler(client, tasks, num_generations=2, max_groups=4)
+    resumed.restore(runner.state())
+    group = await resumed.next_group()
+    assert (group.group_id, group.task) == (3, "harness-rl/write-greeting")
+
+
+async def test_a_restored_state_hands_over_its_finished_groups_first_and_runs_its_running_ones_again(
+        client, fake_engine) -> None:
+    """A checkpoint's state: group 0 finished (kept whole: the same rollout ids), group 1 was running (sampled again
+    with the same seeds), group 2 is next. In lockstep they come back in the order they started."""
+    tasks = [DIGITS, load_task(TASKS / "write-greeting")]
+    first = scheduler(client, tasks, num_generations=2, max_groups=2, lockstep=True)
+    kept, lost = await first.next_group(), await first.next_group()
+    resumed = scheduler(client, tasks, num_generations=2, max_groups=3, lockstep=True)
+    state = SchedulerState(next_group=2, finished=[kept], running=[1])
+    resumed.restore(state)
+    assert resumed.state() == state  # before it starts: what it was given
+    again = [await resumed.next_group() for _ in range(3)]
+    assert [g.group_id for g in again] == [0, 1, 2] and again[0] == kept
+    assert [g.task for g in again] == [kept.task, lost.task, kept.task]
+    assert [o.rollout_id for o in again[1].outcomes] != [o.rollout_id for o in lost.outcomes]
+    seeds = sorted(s.metadata["seed"] for s in await client.list_sessions() if s.metadata["group_id"] == 1)
+    assert seeds == sorted([rollout_seed(0, 1, lost.task, i) for i in range(2)] * 2)  # the same seeds, twice
+
+
+async def test_a_state_survives_the_checkpoint_encoding(client, fake_engine) -> None:
+    group = await scheduler(client, num_generations=2).run_group(DIGITS, 5)
+    state = SchedulerState(next_group=7, finished=[group], running=[6])
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=SchedulerState)
+    assert decoded == state and decoded.finished[0].outcomes[0].trace.validate().turns
 
 
 class HeldBack(EchoHarness):
@@ -142,34 +170,40 @@ async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
     harness = HeldBack(tasks[0].instruction)
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=lockstep)
-    queue: asyncio.Queue = asyncio.Queue()
-    running = asyncio.create_task(runner.run(queue, num_groups=3))
-    await _until(lambda: queue.qsize() + sum(task.done() for group_id, task in runner._in_flight.items()
-                                             if group_id != 0) == 2 and runner.groups_started == 3)
-    assert queue.qsize() == (0 if lockstep else 2)
+    runner.max_groups = 3
+    handed: list[int] = []
+
+    async def take() -> None:
+        while len(handed) < 3:
+            handed.append((await runner.next_group()).group_id)
+
+    taking = asyncio.create_task(take())
+    await _until(lambda: runner.groups_started == 3 and sum(runner._groups[i].done() for i in (1, 2)
+                                                             if i in runner._groups) + len(handed) == 2)
+    assert handed == ([] if lockstep else [1, 2])
     harness.go.set()
-    await running
-    assert [queue.get_nowait().group_id for _ in range(3)] == ([0, 1, 2] if lockstep else [1, 2, 0])
+    await taking
+    assert handed == ([0, 1, 2] if lockstep else [1, 2, 0])
 
 
 async def test_hold_waits_for_every_group_in_flight_and_starts_none_until_release(client, fake_engine) -> None:
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
     harness = HeldBack(tasks[0].instruction)
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=True)
-    queue: asyncio.Queue = asyncio.Queue()
-    running = asyncio.create_task(runner.run(queue, num_groups=5))
-    await _until(lambda: runner.groups_started == 3)  # three groups in flight: the limit (ceil(4/2) + 1)
+    runner.max_groups = 5
+    runner._fill()
+    assert runner.groups_started == 3  # three groups in flight: the limit (ceil(4/2) + 1)
     holding = asyncio.create_task(runner.hold())
-    await _until(lambda: runner._in_flight[1].done() and runner._in_flight[2].done())
+    await _until(lambda: runner._groups[1].done() and runner._groups[2].done())
     assert not holding.done()  # group 0 is still running
     harness.go.set()
-    await holding
+    held = await holding
     for _ in range(20):  # however long the loop runs, a held scheduler starts nothing
         await asyncio.sleep(0)
-    assert runner.groups_started == 3 and [queue.get_nowait().group_id for _ in range(3)] == [0, 1, 2]
+    assert held.running == [] and [g.group_id for g in held.finished] == [0, 1, 2] and held.next_group == 3
+    assert runner.groups_started == 3 and [(await runner.next_group()).group_id for _ in range(3)] == [0, 1, 2]
     await runner.release()
-    await running
-    assert runner.groups_started == 5 and [queue.get_nowait().group_id for _ in range(2)] == [3, 4]
+    assert [(await runner.next_group()).group_id for _ in range(2)] == [3, 4] and runner.groups_started == 5
 
 
 async def test_every_rollout_session_is_seeded_from_the_run_seed(client, fake_engine) -> None:
@@ -275,16 +309,14 @@ async def test_cancelling_mid_run_leaves_nothing_behind(client, fake_engine) -> 
     sandboxes = TrackedSandboxes()
     runner = scheduler(client, factory=sandboxes, harness=AnswerThenHang(), num_generations=2,
                        max_concurrent_rollouts=4, agent_timeout_s=300)
-    queue: asyncio.Queue = asyncio.Queue()
-    running = asyncio.create_task(runner.run(queue))
+    waiting = asyncio.create_task(runner.next_group())
     for _ in range(600):
         if len(sandboxes.processes_left()) >= 4:
             break
         await asyncio.sleep(0.05)
     assert sandboxes.active == 4
-    running.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await running
+    waiting.cancel()
+    await runner.close()
     for _ in range(600):  # killed processes may take a moment to be gone on a busy machine
         if not sandboxes.processes_left():
             break
@@ -293,7 +325,7 @@ async def test_cancelling_mid_run_leaves_nothing_behind(client, fake_engine) -> 
     assert all(not root.exists() for root in sandboxes.roots)
     sessions = await client.list_sessions()
     assert len(sessions) == 4 and all(s.closed for s in sessions)
-    assert queue.empty()
+    assert runner.state().finished == []
 
 
 class CloudLike(LocalSandbox):
@@ -304,7 +336,8 @@ async def test_a_cloud_sandbox_with_a_loopback_proxy_url_stops_the_run(client) -
     sandboxes = TrackedSandboxes(make=CloudLike)
     runner = scheduler(client, factory=sandboxes, num_generations=3)
     with pytest.raises(RolloutConfigError, match="--advertise-url"):
-        await runner.run(asyncio.Queue(), num_groups=2)
+        await runner.next_group()
+    await runner.close()
     sessions = await client.list_sessions()
     assert sessions and all(s.closed for s in sessions)
     assert sandboxes.active == 0 and all(not root.exists() for root in sandboxes.roots)

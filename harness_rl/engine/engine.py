@@ -80,7 +80,10 @@ class Engine:
         max_batch_size: int = 32,
         policy_version: int = 0,
         prefix_cache_bytes: int = 1 << 30,
+        batch_invariant: bool = False,
     ) -> None:
+        """`batch_invariant` computes each request alone (one at a time, no prefix cache): its tokens and logprobs
+        then depend on nothing else the engine serves, whatever arrives when."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
         self.model: Any = cast(Any, model).eval()
@@ -90,7 +93,7 @@ class Engine:
         limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(max_model_len, limit)
         self.logprobs_mode = logprobs_mode
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = 1 if batch_invariant else max_batch_size
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self._policy_version = policy_version
         self._rng = random.Random(seed)
@@ -99,7 +102,7 @@ class Engine:
         self._model_lock = threading.Lock()
         self._waiting: deque[Generation] = deque()
         self._batch = RunningBatch()
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(0 if batch_invariant else prefix_cache_bytes)
         self._clear_prefix_cache = False
         self._active: list[Generation] = []
         self._paused = False

@@ -4,8 +4,8 @@ A checkpoint directory holds:
 - `state/`: the trained parameters (every weight, or the LoRA adapter alone) and AdamW's moments, as a
   `torch.distributed.checkpoint`: each rank writes its own shards in parallel, and a load reshards them
   for any number of processes (one process without torchrun included).
-- `trainer_state.pt`: LR scheduler, every RNG, the step, the policy version, and the rollout scheduler's
-  position (next task, groups started; groups that were in flight are not replayed on resume).
+- `trainer_state.pt`: LR scheduler, every RNG, the step, the policy version, the weight syncs failed in a
+  row, and what the run adds (`extra`: the rollouts' state, with the groups finished but not yet trained).
 - `adapter/` (LoRA): the adapter in peft's format.
 - `model/` (the final checkpoint of a run): one Hugging Face model directory, the adapter merged in,
   loadable by the engine, vLLM and anyone (`export_model`).
@@ -44,11 +44,17 @@ SHARD_BYTES = 4 * 2**30  # safetensors files of an exported model stay under thi
 class TrainerState:
     step: int
     policy_version: int
+    sync_failures: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory holds (`step-00000040`: 40)."""
+    return int(path.name.removeprefix(PREFIX))
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -110,7 +116,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         extras(staging)
     if ranks.leader:
         torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": state.step,
-                    "policy_version": state.policy_version, "extra": state.extra}, staging / STATE_FILE)
+                    "policy_version": state.policy_version, "sync_failures": state.sync_failures,
+                    "extra": state.extra}, staging / STATE_FILE)
         shutil.rmtree(path, ignore_errors=True)
         staging.rename(path)
     ranks.barrier()
@@ -141,7 +148,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     blob = torch.load(path / STATE_FILE, weights_only=False)
     scheduler.load_state_dict(blob["scheduler"])
     _set_rng_state(blob["rng"])
-    return TrainerState(step=blob["step"], policy_version=blob["policy_version"], extra=blob["extra"])
+    return TrainerState(step=blob["step"], policy_version=blob["policy_version"],
+                        sync_failures=blob.get("sync_failures", 0), extra=blob["extra"])
 
 
 def export_model(weights: WeightSource, directory: Path, *, shard_bytes: int = SHARD_BYTES) -> Path:

@@ -327,13 +327,15 @@ class Learner:
             if export:
                 export_model(self.weights, staging / MODEL_DIR)
 
-        state = TrainerState(step=self.step_count, policy_version=self.policy_version, extra=self.extra_state)
+        state = TrainerState(step=self.step_count, policy_version=self.policy_version,
+                             sync_failures=self.sync_failures, extra=self.extra_state)
         return save_checkpoint(path, self.model, self.optimizer, self.scheduler, state, ranks=self.ranks,
                                trainable_only=self.lora is not None, extras=extras)
 
     def _load(self, path: str | Path) -> dict[str, Any]:
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, trainable_only=self.lora is not None)
         self.step_count, self.policy_version, self.extra_state = state.step, state.policy_version, state.extra
+        self.sync_failures = state.sync_failures
         return self.extra_state
 
     def _clip_gradients(self) -> float:

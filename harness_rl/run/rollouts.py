@@ -19,8 +19,8 @@ What counts as what:
 - cancellation (Ctrl-C): every in-flight rollout closes its session and its sandbox (killing its
   processes) before the cancellation propagates.
 
-The scheduler's position (next task, groups started) is exported with `state_dict()` for
-checkpoints. Groups that were in flight when a checkpoint was taken are not replayed on resume.
+For checkpoints the scheduler's `state()` says where it stands: the next group, the finished groups not
+yet handed over (kept whole) and the groups still running (run again on resume with the same seeds).
 
 Every rollout's proxy session is seeded with `rollout_seed(seed, group, task, index)`, so the proxy
 seeds each of its engine calls (`proxy.sampling.call_seed`): the same run seed samples the same
@@ -107,8 +107,25 @@ def max_groups_in_flight(config: RolloutConfig) -> int:
     return max(1, math.ceil(config.max_concurrent_rollouts / config.num_generations)) + 1
 
 
+class SchedulerState(msgspec.Struct, kw_only=True, frozen=True):
+    """Where the scheduler stands, as a checkpoint keeps it: a resumed run goes on from here exactly.
+
+    `finished` groups (done, not yet handed to the learner) are kept whole, traces and policy versions
+    included; `running` groups are sampled again on resume with the same group ids, so the same seeds.
+    """
+
+    next_group: int = 0
+    finished: list[RolloutGroup] = []
+    running: list[int] = []
+
+
 class RolloutScheduler:
-    """Runs groups of rollouts over a list of tasks, cycling through them in order."""
+    """Runs groups of rollouts over a list of tasks, cycling through them in order (group g runs task g mod n).
+
+    Groups start on their own while `next_group` is not called (the learner trains meanwhile): at most
+    `max_groups_in_flight` run at once, and at most `ahead` finished ones wait for the learner beyond them.
+    `max_groups` ends the work after that many groups (none: forever).
+    """
 
     def __init__(
         self,
@@ -119,6 +136,8 @@ class RolloutScheduler:
         harness: Harness | None = None,
         sandbox_factory: Callable[[], Sandbox] | None = None,
         seed: int = 0,
+        ahead: int = 1,
+        max_groups: int | None = None,
     ) -> None:
         if not tasks:
             raise RolloutConfigError("no tasks to run")
@@ -131,67 +150,97 @@ class RolloutScheduler:
         self.sandbox_factory = sandbox_factory or (
             lambda: create_sandbox(self.config.sandbox, **self.config.sandbox_options))
         self.seed = seed
-        self.task_cursor = 0
+        self.ahead = ahead
+        self.max_groups = max_groups
         self.groups_started = 0
         self._slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
-        self._in_flight: dict[int, asyncio.Task[RolloutGroup]] = {}
-        self._held = False
-        self._wake = asyncio.Event()
+        self._groups: dict[int, asyncio.Future[RolloutGroup]] = {}  # started and not yet handed over
+        self._restored: SchedulerState | None = None
+        self._held = self._closed = False
+        self._changed = asyncio.Event()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"task_cursor": self.task_cursor, "groups_started": self.groups_started}
+    def state(self) -> SchedulerState:
+        """Where the scheduler stands now (call it on the scheduler's loop)."""
+        finished, running = [], []
+        for group_id, group in sorted(self._groups.items()):
+            if not group.done():
+                running.append(group_id)
+            elif not group.cancelled() and group.exception() is None:
+                finished.append(group.result())
+        if self._restored is not None:  # not started yet
+            finished, running = [*self._restored.finished, *finished], [*self._restored.running, *running]
+        return SchedulerState(next_group=self.groups_started, finished=finished, running=sorted(running))
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.task_cursor = int(state["task_cursor"])
-        self.groups_started = int(state["groups_started"])
+    def restore(self, state: SchedulerState) -> None:
+        """Go on from a checkpoint's state: its finished groups are handed over first, its running ones run
+        again; call before the first `next_group`."""
+        self.groups_started = state.next_group
+        self._restored = state
 
-    def _next_group(self) -> tuple[Task, int]:
-        task = self.tasks[self.task_cursor % len(self.tasks)]
-        self.task_cursor += 1
-        self.groups_started += 1
-        return task, self.groups_started - 1
+    async def next_group(self) -> RolloutGroup:
+        """The next finished group, in the order they finish (with `lockstep`: the order they started); a
+        group's configuration error is raised here."""
+        while True:
+            self._changed.clear()
+            self._fill()
+            done = [group_id for group_id, group in sorted(self._groups.items()) if group.done()]
+            if done and (not self.config.lockstep or done[0] == min(self._groups)):
+                return self._groups.pop(done[0]).result()
+            if not self._groups and not self._held:
+                raise RuntimeError("the rollout scheduler has no group left to run")
+            await self._changed.wait()
 
-    async def run(self, queue: asyncio.Queue[RolloutGroup], num_groups: int | None = None) -> None:
-        """Fill `queue` with finished groups until `num_groups` are done, or forever: in the order they finish,
-        or with `lockstep` in the order they started."""
-        in_flight, started = self._in_flight, 0
-        try:
-            while True:
-                while ((num_groups is None or started < num_groups) and not self._held
-                       and len(in_flight) < max_groups_in_flight(self.config)):
-                    task, group_id = self._next_group()
-                    in_flight[group_id] = asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}")
-                    started += 1
-                if not in_flight and not self._held:
-                    return
-                self._wake.clear()
-                woken = asyncio.ensure_future(self._wake.wait())
-                try:
-                    await asyncio.wait({woken, *in_flight.values()}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    woken.cancel()
-                for group_id in sorted(in_flight):
-                    if not in_flight[group_id].done():
-                        if self.config.lockstep:
-                            break  # an older group is still running: keep the order groups started in
-                        continue
-                    await queue.put(in_flight.pop(group_id).result())
-        finally:
-            for pending in in_flight.values():
-                pending.cancel()
-            await asyncio.gather(*in_flight.values(), return_exceptions=True)
-            in_flight.clear()
+    def _fill(self) -> None:
+        """Start what may start now: a restored state's groups first, then new groups within the limits."""
+        if self._restored is not None:
+            for group in self._restored.finished:
+                kept: asyncio.Future[RolloutGroup] = asyncio.get_running_loop().create_future()
+                kept.set_result(group)
+                self._groups[group.group_id] = kept
+            for group_id in self._restored.running:
+                self._start(group_id)
+            self._restored = None
+        while not (self._held or self._closed) and self._room():
+            self._start(self.groups_started)
+            self.groups_started += 1
 
-    async def hold(self) -> None:
-        """Start no new group, and return once every group in flight has finished (a weight sync may follow)."""
+    def _room(self) -> bool:
+        if self.max_groups is not None and self.groups_started >= self.max_groups:
+            return False
+        running = sum(not group.done() for group in self._groups.values())
+        limit = max_groups_in_flight(self.config)
+        return running < limit and len(self._groups) < limit + self.ahead
+
+    def _start(self, group_id: int) -> None:
+        task = self.tasks[group_id % len(self.tasks)]
+        group = asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}")
+        group.add_done_callback(self._group_done)
+        self._groups[group_id] = group
+
+    def _group_done(self, group: asyncio.Future[RolloutGroup]) -> None:
+        self._changed.set()
+        if not self._closed:
+            self._fill()
+
+    async def hold(self) -> SchedulerState:
+        """Start no new group, and return once every group in flight has finished (a weight sync may follow):
+        the state then, in which no group is running."""
         self._held = True
-        self._wake.set()
-        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        await asyncio.gather(*self._groups.values(), return_exceptions=True)
+        return self.state()
 
     async def release(self) -> None:
         """Start groups again (after `hold`)."""
         self._held = False
-        self._wake.set()
+        self._fill()
+
+    async def close(self) -> None:
+        """Cancel every group still running; each closes its sessions and sandboxes before this returns."""
+        self._closed = True
+        running = [group for group in self._groups.values() if not group.done()]
+        for group in running:
+            group.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     async def run_group(self, task: Task, group_id: int) -> RolloutGroup:
         """G rollouts of one task, concurrently (within the scheduler's rollout limit).

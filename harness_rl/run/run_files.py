@@ -8,6 +8,7 @@ in the trace's metadata.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -48,6 +49,48 @@ class RolloutRecord(msgspec.Struct, kw_only=True):
     turns: int
     duration_s: float
     trace: str | None  # relative to the run directory
+
+
+# What a run writes besides config.toml and its checkpoints: a run started again from step 0 starts without them.
+RUN_RECORDS = ("metrics.jsonl", ROLLOUTS_FILE, TRACES_DIR, "proxy", "summary.json", "training.png", "tensorboard",
+               "trackio", "view.html")
+
+
+def start_over(run_dir: Path) -> None:
+    """Remove what a run that never finished a checkpoint wrote, so it starts again from step 0."""
+    for name in (*RUN_RECORDS, "checkpoints"):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def rewind(run_dir: Path, step: int) -> None:
+    """Drop the records of the steps after `step` (taken after the checkpoint a run resumes from, then lost with the
+    process), so each step is recorded once; their traces go with them."""
+    for name in ("metrics.jsonl", ROLLOUTS_FILE):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_bytes().splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                record = msgspec.json.decode(line, type=_Stepped)
+            except msgspec.DecodeError:  # a line cut short by the kill
+                continue
+            if record.step <= step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+            elif record.trace:
+                (run_dir / record.trace).unlink(missing_ok=True)
+        if kept != lines:
+            path.write_bytes(b"".join(kept))
+
+
+class _Stepped(msgspec.Struct):
+    step: float
+    trace: str | None = None
 
 
 class RunFiles:

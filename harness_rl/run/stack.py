@@ -70,7 +70,7 @@ class Stack:
             undo.callback(lambda: loop.run(proxy.stop(), timeout=60))
             client = ProxyClient(proxy.url, proxy.admin_token)
             scheduler = RolloutScheduler(tasks, client, config.rollouts, reward_fn, harness, sandbox_factory,
-                                         seed=config.seed)
+                                         seed=config.seed, ahead=config.learner.groups_per_step)
             undo.pop_all()
         return cls(loop, engines, proxy, client, scheduler)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import sys
@@ -27,12 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from harness_rl.learner.checkpoint import checkpoint_step, latest_checkpoint
 from harness_rl.outcome import RewardFn, RolloutGroup, default_reward, unscorable_cause
 from harness_rl.run.config import RunConfig, to_toml
 from harness_rl.run.engines import RunStopped
 from harness_rl.run.metrics import rollout_metrics
 from harness_rl.run.reward_fn import RewardFnError
-from harness_rl.run.rollouts import RolloutConfigError
+from harness_rl.run.rollouts import RolloutConfigError, SchedulerState
 
 if TYPE_CHECKING:
 
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
 
 
 ENGINE_CHECK_S = 10.0  # how often a run asks whether its engines are still there
+ROLLOUT_STATE = "rollouts"  # the key of the rollouts' state in a checkpoint's extra state
 
 
 def default_output_dir(config: RunConfig) -> Path:
@@ -66,8 +71,8 @@ class Run:
     files: RunFiles
     metrics: MetricsLogger
     tokenizer: Any
-    ready: asyncio.Queue[RolloutGroup] | None = None
-    rolling: asyncio.Task[None] | None = None
+    lockstep: LockstepSync | None = None
+    rollout_state: SchedulerState = field(default_factory=SchedulerState)  # as of the last finished step
     watching: asyncio.Task[None] | None = None
     started: float = field(default_factory=time.time)
 
@@ -90,42 +95,47 @@ class Run:
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
             self._stop_if_engines_gone()  # its last rollouts failed for that, not for what the policy did
             _stop_on_setup_failures(batch, self.learner.step_count + 1)
-            try:
-                metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
-            except WeightSyncError:
-                self._stop_if_engines_gone()
-                raise
-            metrics.update(rollout_metrics(batch, custom_reward=self.scheduler.reward_fn is not default_reward))
-            self.metrics.log(self.learner.step_count, metrics)
-            self.files.write(self.learner.step_count, batch)
-            self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
+            with finish_first(f"step {self.learner.step_count + 1}"):
+                try:
+                    metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
+                except WeightSyncError:
+                    self._stop_if_engines_gone()
+                    raise
+                self.rollout_state = self._rollout_state()
+                metrics.update(rollout_metrics(batch, custom_reward=self.scheduler.reward_fn is not default_reward))
+                self.metrics.log(self.learner.step_count, metrics)
+                self.files.write(self.learner.step_count, batch)
             if on_step is not None:
                 on_step(self.learner.step_count, metrics)
             if self.config.output.save_every and self.learner.step_count % self.config.output.save_every == 0:
                 self.save(final=self.learner.step_count >= settings.max_steps)
         self.save(final=True)
 
+    def _rollout_state(self) -> SchedulerState:
+        """The scheduler's state as of the step just taken: in lockstep, as the step's weight sync found it (every
+        group finished, none started on the new weights: a resumed run starts those again from there); else as it
+        is now (groups still running are sampled again on resume, by the checkpoint's weights)."""
+        held = self.lockstep.take_held_state() if self.lockstep is not None else None
+        return held if held is not None else self.loop.run(self._scheduler_state())
+
+    async def _scheduler_state(self) -> SchedulerState:
+        return self.scheduler.state()
+
     async def _start_rollouts(self) -> None:
-        # A bounded hand-over: rollouts run at most this many finished groups ahead of the learner.
-        self.ready = asyncio.Queue(maxsize=self.config.learner.groups_per_step)
-        self.rolling = asyncio.create_task(self.scheduler.run(self.ready))
         self.watching = asyncio.create_task(self._watch_engines())
 
     async def _next_group(self) -> RolloutGroup:
-        """The next finished group; the scheduler's error if it stopped instead, RunStopped if the engines died."""
-        assert self.ready is not None and self.rolling is not None and self.watching is not None
-        getter = asyncio.ensure_future(self.ready.get())
-        await asyncio.wait({getter, self.rolling, self.watching}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        if self.watching.done():
+        """The next finished group; a rollout's configuration error as RunStopped, RunStopped if the engines died."""
+        assert self.watching is not None
+        getter = asyncio.ensure_future(self.scheduler.next_group())
+        await asyncio.wait({getter, self.watching}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
             self.watching.result()
         try:
-            self.rolling.result()
+            return getter.result()
         except (RolloutConfigError, RewardFnError) as error:  # one line for the user, not a traceback
             raise RunStopped(str(error)) from error
-        raise RunStopped("the rollout scheduler ran out of work")
 
     async def _watch_engines(self) -> None:
         """Raise RunStopped once no engine can serve, rather than let every rollout fail against them."""
@@ -152,20 +162,32 @@ class Run:
         return RunStopped("every engine is gone: " + "; ".join(f"{url}: {reason}" for url, reason in reasons))
 
     async def _stop_rollouts(self) -> None:
-        for task in (self.rolling, self.watching):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        if self.watching is not None:
+            self.watching.cancel()
+            await asyncio.gather(self.watching, return_exceptions=True)
+        await self.scheduler.close()
 
     def save(self, final: bool = False) -> Path:
-        """A checkpoint; the final one also holds `model/`, a complete model directory (weights, config and
-        tokenizer)."""
-        self.learner.extra_state = {"scheduler": self.scheduler.state_dict()}
-        with interrupts_deferred():
+        """A checkpoint of the last finished step, the rollouts' state with it; the final one also holds `model/`,
+        a complete model directory (weights, config and tokenizer)."""
+        self.learner.extra_state = {ROLLOUT_STATE: msgspec.msgpack.encode(self.rollout_state)}
+        with finish_first("the checkpoint"):
             path = self.learner.save(export=final)
             if final:
                 self.tokenizer.save_pretrained(path / "model")
         return path
+
+    def stop(self) -> Path | None:
+        """Ctrl-C or SIGTERM: rollouts cancelled (their sessions and sandboxes closed) while the last finished step
+        is saved, unless a checkpoint holds it already; the newest checkpoint (none before the first step)."""
+        closing = self.loop.submit(self._stop_rollouts())
+        checkpoint = latest_checkpoint(self.output_dir)
+        try:
+            if self.learner.step_count > (checkpoint_step(checkpoint) if checkpoint else 0):
+                checkpoint = self.save()
+        finally:
+            closing.result(timeout=120)
+        return checkpoint
 
     def close(self) -> None:
         """Cancel every rollout (their sessions and sandboxes close), then stop the learner and the stack."""
@@ -187,6 +209,13 @@ def _stop_on_setup_failures(batch: list[RolloutGroup], step: int) -> None:
         raise RunStopped(f"no rollout of step 1 could be scored: {unscorable_cause(outcomes)}")
 
 
+def restored_rollouts(extra: dict[str, Any]) -> SchedulerState:
+    """The rollouts' state a checkpoint holds (of a harness-rl before it kept one: the next group only)."""
+    if ROLLOUT_STATE not in extra:
+        return SchedulerState(next_group=int(extra.get("scheduler", {}).get("groups_started", 0)))
+    return msgspec.msgpack.decode(extra[ROLLOUT_STATE], type=SchedulerState)
+
+
 def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = None,
               sandbox_factory: Callable[[], Sandbox] | None = None, reward_fn: RewardFn | None = None) -> Run:
     """Start everything a checked configuration describes on `model_dir` (resolved: a directory or the hub id
@@ -195,7 +224,6 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
     from transformers.utils import logging as transformers_logging
 
     from adapters.tasks import load_tasks
-    from harness_rl.learner.checkpoint import latest_checkpoint
     from harness_rl.learner.distributed import Ranks
     from harness_rl.learner.learner import Learner
     from harness_rl.run.engines import sync_check_for, weight_sync_for
@@ -208,8 +236,10 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
     output_dir = Path(config.output.output_dir) if config.output.output_dir else default_output_dir(config)
     tasks = load_tasks(config.rollouts.tasks)
     created = not output_dir.exists()
+    checkpoint = latest_checkpoint(output_dir)  # preflight refused one that --resume did not ask for
     stack: Stack | None = None
     try:
+        _prepare_run_dir(output_dir, checkpoint, config.output.resume)
         output_dir.mkdir(parents=True, exist_ok=True)
         stack = Stack.start(config, model_dir, output_dir, tasks, harness=harness, sandbox_factory=sandbox_factory,
                             reward_fn=reward_fn)
@@ -219,10 +249,9 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         sync = weight_sync_for(stack.engines, loop)
         Ranks.current().broadcast((engine.model_dir, output_dir))  # what the other ranks' learners load and write
         gated: WeightSync = ProxyGate(sync, stack.client, loop)
-        if config.rollouts.lockstep:
-            gated = LockstepSync(gated, stack.scheduler, loop)
+        lockstep = LockstepSync(gated, stack.scheduler, loop) if config.rollouts.lockstep else None
         learner = Learner(engine.model_dir, config.learner, temperature=temperature, seed=config.seed,
-                          weight_sync=gated, output_dir=output_dir,
+                          weight_sync=lockstep or gated, output_dir=output_dir,
                           save_total_limit=config.output.save_total_limit,
                           sync_check=sync_check_for(stack.engines, sync, loop, temperature))
         if learner.lora is not None:
@@ -230,16 +259,16 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
             served = f"vLLM serves it as {engine.adapter_name}" if engine.adapter_name else "the engine gets it merged"
             print(f"harness-rl: LoRA rank {config.learner.lora_rank} trains {trained:,} of {total:,} parameters "
                   f"({trained / total:.2%}); {served}", file=sys.stderr, flush=True)
-        checkpoint = latest_checkpoint(output_dir) if config.output.resume else None
+        rollout_state = SchedulerState()
         if checkpoint is not None:
-            state = learner.load(checkpoint)
-            stack.scheduler.load_state_dict(state.get("scheduler", {}))
+            rollout_state = restored_rollouts(learner.load(checkpoint))
+            stack.scheduler.restore(rollout_state)
         # The engine may still hold another run's weights (a vLLM kept between runs): it starts on ours, stamped
         # with our version, so nothing is sampled by weights the learner never had.
         learner.sync_weights()
         metrics = MetricsLogger(output_dir, console=False, report_to=f"jsonl,{config.output.report_to}")
         return Run(config, output_dir, stack, learner, RunFiles(output_dir, stack.scheduler.harness.name), metrics,
-                   AutoTokenizer.from_pretrained(engine.model_dir))
+                   AutoTokenizer.from_pretrained(engine.model_dir), lockstep, rollout_state)
     except BaseException:
         if stack is not None:
             stack.close()
@@ -248,17 +277,42 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         raise
 
 
+def _prepare_run_dir(run_dir: Path, checkpoint: Path | None, resume: bool) -> None:
+    """Continue from the checkpoint (dropping records of later steps, lost with the process that took them);
+    a run that stopped before its first checkpoint starts again from step 0. Either way, saying so."""
+    from harness_rl.run.run_files import rewind, start_over
+
+    if checkpoint is not None:
+        rewind(run_dir, checkpoint_step(checkpoint))
+        said = f"resuming {run_dir} from its checkpoint of step {checkpoint_step(checkpoint)}"
+    elif (run_dir / "config.toml").is_file():
+        start_over(run_dir)
+        said = f"{run_dir} stopped before its first checkpoint: starting it again from step 0"
+    elif resume:
+        said = f"no run in {run_dir} yet: starting it from step 0"
+    else:
+        return
+    print(f"harness-rl train: {said}", file=sys.stderr, flush=True)
+
+
 class LockstepSync:
     """A weight sync that first lets every group in flight finish and starts no new one until the new weights
-    are in (`rollouts.lockstep`): each group is then sampled by one policy version."""
+    are in (`rollouts.lockstep`): each group is then sampled by one policy version. The scheduler's state while
+    held is what a checkpoint of this step keeps (`take_held_state`)."""
 
     def __init__(self, inner: WeightSync, scheduler: RolloutScheduler, loop: BackgroundLoop) -> None:
         self.inner, self.scheduler, self.loop = inner, scheduler, loop
         self.keeps_requests = inner.keeps_requests
         self.sends = inner.sends
+        self._held: SchedulerState | None = None
+
+    def take_held_state(self) -> SchedulerState | None:
+        """The scheduler's state at the last push's hold, once (None: no push since the last call)."""
+        held, self._held = self._held, None
+        return held
 
     def push(self, weights: Weights, version: int) -> None:
-        self.loop.run(self.scheduler.hold())
+        self._held = self.loop.run(self.scheduler.hold())
         try:
             self.inner.push(weights, version)
         finally:
@@ -284,7 +338,6 @@ def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
     """Run training to `max_steps` with a progress bar; the summary (also on Ctrl-C) is written and returned."""
     from tqdm import tqdm
 
-    from harness_rl.learner.checkpoint import latest_checkpoint
     from harness_rl.run.metrics import console_line
     from harness_rl.run.report import write_report
 
@@ -300,10 +353,12 @@ def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
         run.train(on_step)
     except KeyboardInterrupt:
         bar.close()
+        checkpoint = run.stop()
         run.close()
-        checkpoint = latest_checkpoint(run.output_dir)
         write_report(run.output_dir, started=run.started, stopped="interrupted")
-        kept = f"last checkpoint {checkpoint}" if checkpoint else "no checkpoint was written yet"
+        kept = (f"checkpoint {checkpoint} (step {checkpoint_step(checkpoint)}): continue with "
+                f"harness-rl train --resume --output-dir {run.output_dir}" if checkpoint else
+                "no step was finished: the same command starts it again from step 0")
         print(f"harness-rl train: interrupted; rollouts and sessions closed; {kept}", file=sys.stderr, flush=True)
         raise
     except BaseException as error:
@@ -317,11 +372,22 @@ def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold Ctrl-C (and SIGTERM) until the block is done, so a checkpoint is never half written."""
+def finish_first(work: str) -> Iterator[None]:
+    """Let the block finish before Ctrl-C (or SIGTERM) stops the run, so a step is never half taken nor a
+    checkpoint half written; a second Ctrl-C stops at once, except under torchrun (which forwards the one it
+    gets, and kills its processes itself after its own grace period)."""
     caught: list[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+    at_once = "LOCAL_RANK" not in os.environ
+
+    def defer(signum: int, frame: Any) -> None:
+        if caught and at_once:
+            raise KeyboardInterrupt
+        if not caught:
+            again = " (Ctrl-C again to stop at once)" if at_once else ""
+            print(f"harness-rl train: stopping once {work} is done{again}", file=sys.stderr, flush=True)
+        caught.append(signum)
+
+    previous = {signum: signal.signal(signum, defer) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
