@@ -5,6 +5,7 @@ and imports its heavy machinery only when run, so `harness-rl serve proxy` never
 """
 
 import argparse
+import functools
 import sys
 from typing import NoReturn
 
@@ -53,7 +54,36 @@ def build_parser() -> argparse.ArgumentParser:
     harnesses.register(commands)
     view.register(commands)
     doctor.register(commands)
+    _name_commands(parser)
     return parser
+
+
+def _name_commands(parser: argparse.ArgumentParser) -> None:
+    """Each parser leaves itself as `command_parser` (the deepest one chosen wins), so a usage error names the command
+    it is one of; one given no subcommand (`harness-rl`, `harness-rl serve`) lists its commands and exits 2, as
+    argparse does for any other argument that is missing."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            action.required = False
+            parser.set_defaults(run=functools.partial(_list_commands, parser))
+            for command in action.choices.values():
+                _name_commands(command)
+
+
+def commands_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The commands a parser takes and their one-line help, in the order they were registered."""
+    return {choice.dest: choice.help or "" for action in parser._actions
+            if isinstance(action, argparse._SubParsersAction) for choice in action._get_subactions()}
+
+
+def _list_commands(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    commands = commands_of(parser)
+    width = max(map(len, commands))
+    lines = [f"{parser.prog}: name a command ({parser.prog} COMMAND --help for its flags):",
+             *(f"  {name:<{width}}  {text}" for name, text in commands.items())]
+    print("\n".join(lines), file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = build_parser()
-    args = parser.parse_args(ours)
+    args, unknown = parser.parse_known_args(ours)
+    command: argparse.ArgumentParser = args.command_parser
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)} ({command.prog} --help lists its flags)")
     if passthrough and not hasattr(args, "passthrough"):
-        parser.error(f"unrecognized arguments: -- {' '.join(passthrough)}")
+        command.error(f"unrecognized arguments: -- {' '.join(passthrough)}")
     if hasattr(args, "passthrough"):
         args.passthrough = passthrough
     args.argv = ours  # what a command that starts itself again (train under torchrun) passes on

@@ -4,13 +4,14 @@ Every leaf field of the Struct (nested Structs are walked) becomes `--field-name
 field's description followed by its default, its type and constraints come from the annotation, and
 parsed values land back at the field's path. A field's `Meta(extra={"flag": ...})` renames its flag
 (`"--proxy-port"`) or hides it (`None`). Optional fields accept the word `none`; a list field's flag
-is repeated (`--tasks A --tasks B`).
+is repeated (`--tasks A --tasks B`). A long command lays its flags out in `Group`s, placed by the
+section their field lives in.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ class Flag:
 
     @property
     def default_text(self) -> str:
-        return show(self.default, self.required)
+        """What the help says of the flag not given: its default, or that it must be given."""
+        return "required" if self.required else f"default: {show(self.default)}"
 
     @property
     def dest(self) -> str:
@@ -80,12 +82,27 @@ def _walk(info: mi.Type, path: tuple[str, ...], internal: bool) -> Iterator[Flag
                    str(meta.get("description", "")), kind, optional, default, repeated, bool(meta.get("required")))
 
 
-def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
+@dataclass(frozen=True)
+class Group:
+    """One titled section of a command's help.
+
+    `paths` names what it holds, dotted: a section (`"learner"`, all its fields, nested ones too), one
+    field (`"rollouts.harness"`, wherever its section goes), or `""`, the top level's own fields. Its
+    flags are listed in the order `paths` names them, field order within a section.
+    """
+
+    title: str
+    paths: tuple[str, ...]
+
+
+def add_flags(parser: argparse._ActionsContainer, flags: list[Flag],
               default_text: Callable[[Flag], str] | None = None) -> None:
-    """Add each flag to `parser`; values not given stay absent from the namespace (argparse.SUPPRESS)."""
+    """Add each flag to `parser`; values not given stay absent from the namespace (argparse.SUPPRESS).
+
+    `default_text` says what a flag not given comes to (`flag.default_text` unless given)."""
     for flag in flags:
         shown = default_text(flag) if default_text else flag.default_text
-        help_text = f"{flag.description} (default: {shown})" if flag.description else f"(default: {shown})"
+        help_text = f"{flag.description} ({shown})" if flag.description else f"({shown})"
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": help_text,
                                   "metavar": flag.path[-1].upper()}
         if isinstance(flag.type, mi.BoolType):
@@ -98,6 +115,28 @@ def add_flags(parser: argparse.ArgumentParser, flags: list[Flag],
         if flag.repeated:
             kwargs["action"] = "append"
         parser.add_argument(flag.name, type=_parser(flag), **kwargs)
+
+
+def add_flag_groups(parser: argparse.ArgumentParser, flags: list[Flag], groups: Sequence[Group],
+                    default_text: Callable[[Flag], str] | None = None) -> list[argparse._ArgumentGroup]:
+    """Add each flag to its group's section of the help, the sections in the order of `groups`; the sections are
+    returned (in that order) for the command's own flags."""
+    sections = [parser.add_argument_group(group.title) for group in groups]
+    for flag in sorted(flags, key=lambda flag: placement(flag, groups)):
+        add_flags(sections[placement(flag, groups)[0]], [flag], default_text)
+    return sections
+
+
+def placement(flag: Flag, groups: Sequence[Group]) -> tuple[int, int]:
+    """The flag's group and its rank there, by the most specific path a group names: the field itself, else its
+    section, else each enclosing one (`""` for a top-level field)."""
+    path = flag.path
+    owners = [".".join(path[:n]) for n in range(len(path), 0, -1)] + ([""] if len(path) == 1 else [])
+    for owner in owners:
+        for index, group in enumerate(groups):
+            if owner in group.paths:
+                return index, group.paths.index(owner)
+    raise ValueError(f"{flag.name}: no help group holds {'.'.join(path)} or a section around it")
 
 
 def _parser(flag: Flag) -> Callable[[str], Any]:
@@ -134,14 +173,14 @@ def collect(namespace: argparse.Namespace, flags: list[Flag]) -> dict[str, Any]:
     return out
 
 
-def show(value: Any, required: bool = False) -> str:
-    """A default as the user would type it; an empty one is `(required)` where the field must be filled."""
+def show(value: Any) -> str:
+    """A value as the user would type it."""
     if value is None:
         return NONE_WORD
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, str) and not value:
-        return "(required)" if required else '""'
+        return '""'
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
     return str(value)

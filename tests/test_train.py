@@ -272,7 +272,7 @@ def test_every_flag_shows_its_fields_default_in_help() -> None:
     for flag in FLAGS:
         assert flag.name in text
         assert f"(default: {' '.join(show(flag.default).split())}" in text, flag.name
-    assert "(default: 1e-06; demo preset: 0.01)" in text
+    assert "(default: 1e-06; demo preset: 0.01; agent preset: 0.001)" in text
 
 
 def main_help(argv: list[str]) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from harness_rl.flags import add_flags, flags_of
+from harness_rl.commands.help_layout import RUN_GROUPS, preset_default_text
+from harness_rl.flags import add_flag_groups, flags_of
 from harness_rl.run.config import EVAL_EXCLUDED, EvalConfig
 from harness_rl.run.presets import PRESETS
 
@@ -19,15 +20,18 @@ FLAGS = flags_of(EvalConfig, exclude=EVAL_EXCLUDED)
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "eval", help="measure an agent on tasks: success, reward, turns, tokens, chained turns",
+        usage="%(prog)s [FLAG ...]",
         description="Run --num-samples rollouts of every task of every --tasks split through the capture proxy "
                     "(no training), and report per task and per split: success rate, mean reward, agent turns, "
                     "tool calls, generated tokens and the share of later agent turns that chain onto their "
                     "predecessor. Writes RUN/eval.json, RUN/rollouts.jsonl and RUN/traces/ (as train does).")
-    parser.add_argument("--config", metavar="FILE", help="TOML or JSON settings (a run's config.toml works: its "
-                                                          "learner and output sections are ignored); flags override")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the model's: "
-                                                                  "tiny: demo, tiny-agent: agent; else real)")
-    add_flags(parser, FLAGS)
+    run_section = add_flag_groups(parser, FLAGS, RUN_GROUPS, preset_default_text)[0]
+    run_section.add_argument("--config", metavar="FILE", help="TOML or JSON settings (a run's config.toml works: "
+                                                              "its learner and output sections are ignored); flags "
+                                                              "override")
+    run_section.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the "
+                                                                       "model's: tiny or none given: demo, "
+                                                                       "tiny-agent: agent; else real)")
     parser.set_defaults(run=run)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "vllm",
-        help="start vLLM with the flags exact capture and weight sync need (see harness_rl/vllm_server.py)",
+        help="start vLLM with the flags exact capture and weight sync need (see harness_rl/tools/vllm_server.py)",
         description="Prints the full vLLM command, then runs it in the foreground. Extra vLLM arguments go "
                     "after `--`; ones that would break exact capture (e.g. --logprobs-mode raw_logprobs) are "
                     "refused with exit code 2.",

@@ -12,43 +12,57 @@ import shlex
 import sys
 from typing import Any
 
-from harness_rl.flags import Flag, add_flags, flags_of, show
+from harness_rl.commands.help_layout import RUN_GROUPS, preset_default_text
+from harness_rl.flags import add_flag_groups, flags_of
 from harness_rl.run.config import RunConfig
 from harness_rl.run.presets import PRESETS
 
 FLAGS = flags_of(RunConfig)
+WORKED_EXAMPLES = """\
+examples:
+  # the embedded CPU demo: the tiny model, the echo harness, the digits task
+  harness-rl train
 
+  # a real agent against vLLM on one GPU
+  # (first: hf download Qwen/Qwen3-8B --local-dir /models/Qwen3-8B)
+  harness-rl serve vllm /models/Qwen3-8B --port 8000 &
+  harness-rl train --harness opencode --model /models/Qwen3-8B \\
+      --engine http://127.0.0.1:8000 --tasks examples/tasks \\
+      --num-generations 8 --max-steps 100 --output-dir runs/qwen3-opencode
 
-def _default_text(flag: Flag) -> str:
-    """The real default, and the demo preset's where it differs."""
-    demo: Any = PRESETS["demo"]
-    for key in flag.path:
-        demo = demo.get(key, {}) if isinstance(demo, dict) else {}
-    if isinstance(demo, dict):
-        return flag.default_text
-    shown = demo if flag.name != "--tasks" else "the digits demo task"
-    return f"{flag.default_text}; demo preset: {show(shown)}"
+  # eight GPUs: vLLM on four (a copy of the model on each), the learner
+  # sharded with FSDP2 over the other four
+  CUDA_VISIBLE_DEVICES=0,1,2,3 harness-rl serve vllm /models/Qwen3-8B \\
+      --port 8000 --data-parallel-size 4 &
+  CUDA_VISIBLE_DEVICES=4,5,6,7 harness-rl train --nproc-per-node 4 \\
+      --harness opencode --model /models/Qwen3-8B \\
+      --engine http://127.0.0.1:8000 --tasks examples/tasks \\
+      --output-dir runs/qwen3-fsdp
+"""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "train", help="train with GRPO on real agent rollouts (no flags: the embedded CPU demo)",
-        description="Run agents on tasks through the capture proxy, score them with each task's verifier, and "
-                    "train with GRPO; new weights go back into the engine after every step. Defaults are those of "
-                    "a real run; the demo preset (the default when --model is tiny or not given) and the agent "
-                    "preset (for tiny-agent) change a few for the CPU demos.")
-    parser.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (as --print-config writes); "
-                                                          "flags override it")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the model's: "
-                                                                  "tiny or none given: demo, tiny-agent: agent; "
-                                                                  "else real)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and "
-                                                                    "exit")
-    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                        help="learner processes on this machine (one per GPU): starts torchrun, the policy sharded "
-                             "with FSDP2 across them, rank 0 running the engine, proxy and rollouts (default: 1; "
-                             "several machines: torchrun --nnodes ... -m harness_rl train)")
-    add_flags(parser, FLAGS, _default_text)
+        usage="%(prog)s [FLAG ...]", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WORKED_EXAMPLES,
+        description="Run agents on tasks through the capture proxy, score them with each task's\n"
+                    "verifier, and train with GRPO; new weights go back into the engine after\n"
+                    "every step.\n\n"
+                    "Defaults are those of a real run. With --model tiny or no --model, the demo\n"
+                    "preset changes a few for the CPU demo; with tiny-agent, the agent preset\n"
+                    "(each flag says what they set).")
+    run_section = add_flag_groups(parser, FLAGS, RUN_GROUPS, preset_default_text)[0]
+    run_section.add_argument("--config", metavar="FILE", help="TOML or JSON file of settings (as --print-config "
+                                                              "writes); flags override it")
+    run_section.add_argument("--preset", choices=sorted(PRESETS), help="start from these defaults (default: the "
+                                                                       "model's: tiny or none given: demo, "
+                                                                       "tiny-agent: agent; else real)")
+    run_section.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML "
+                                                                         "and exit")
+    run_section.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                             help="learner processes on this machine (one per GPU): starts torchrun, the policy "
+                                  "sharded with FSDP2 across them, rank 0 running the engine, proxy and rollouts "
+                                  "(default: 1; several machines: torchrun --nnodes ... -m harness_rl train)")
     parser.set_defaults(run=run)
 
 
@@ -63,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from harness_rl.flags import collect
     from harness_rl.run import config as cfg
     from harness_rl.run import preflight
+    from harness_rl.run.resume import resolve_run
     from harness_rl.settings import ConfigError
 
     try:
@@ -70,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         flags = collect(args, FLAGS)
         if args.preset:
             flags["preset"] = args.preset
-        config = cfg.resolve(*layers, flags)
+        config = resolve_run([*layers, flags])
         if args.print_config:
             print(cfg.to_toml(config), end="")
             return 0
@@ -93,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a job scheduler's stop is handled like Ctrl-C
     ranks = distributed.join_learner(config.learner.device, config.learner.collective_timeout_s)
     try:
-        if not ranks.leader:
+        if not ranks.leader:  # rank 0 stops the run, after a checkpoint these ranks write their shards of
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             follow(config)
             return 0
         model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
