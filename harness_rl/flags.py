@@ -122,12 +122,12 @@ def add_flag_groups(parser: argparse.ArgumentParser, flags: list[Flag], groups: 
     """Add each flag to its group's section of the help, the sections in the order of `groups`; the sections are
     returned (in that order) for the command's own flags."""
     sections = [parser.add_argument_group(group.title) for group in groups]
-    for flag in sorted(flags, key=lambda flag: placement(flag, groups)):
-        add_flags(sections[placement(flag, groups)[0]], [flag], default_text)
+    for flag in sorted(flags, key=lambda flag: _placement(flag, groups)):
+        add_flags(sections[_placement(flag, groups)[0]], [flag], default_text)
     return sections
 
 
-def placement(flag: Flag, groups: Sequence[Group]) -> tuple[int, int]:
+def _placement(flag: Flag, groups: Sequence[Group]) -> tuple[int, int]:
     """The flag's group and its rank there, by the most specific path a group names: the field itself, else its
     section, else each enclosing one (`""` for a top-level field)."""
     path = flag.path
