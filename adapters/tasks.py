@@ -162,13 +162,11 @@ def read_task_config(toml_file: Path) -> TaskConfig:
         raise TaskError(f"{toml_file}: {_explain(str(error), raw)}") from None
 
 
-KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {  # msgspec's type name: what to say, what matches it
+# msgspec's names of the types in TaskConfig: what to call each, and what TOML value is one
+KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
-    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
     "object": ("a table", lambda v: isinstance(v, dict)),
-    "array": ("a list", lambda v: isinstance(v, list)),
 }
 VALIDATION = re.compile(r"^Expected `(?P<kinds>[^`]+)`(?:, got `[^`]+`)?(?P<bound>.*?)(?: - at `\$(?P<at>[^`]*)`)?$")
 
@@ -260,6 +258,28 @@ def _download_dataset(source: str, cache_dir: str | Path | None) -> Path:
     local_dir = Path(cache_dir or Path.home() / ".cache" / "harness-rl" / "tasks") / repo_id.replace("/", "__")
     try:
         snapshot_download(repo_id, repo_type="dataset", local_dir=local_dir, allow_patterns=["tasks/**"])
-    except Exception as error:
-        raise TaskError(f"could not download dataset {repo_id!r} from the Hugging Face Hub: {error}") from error
+    except Exception as error:  # the hub library's errors run to many lines, their cause chained behind
+        raise TaskError(f"could not download dataset {repo_id!r} from the Hugging Face Hub: "
+                        f"{_hub_refusal(error)}") from None
     return local_dir
+
+
+def _hub_refusal(error: Exception) -> str:
+    """What the Hub's error means, in one line with what to do."""
+    from huggingface_hub import constants, errors
+
+    if isinstance(error, errors.GatedRepoError):
+        return "it is gated: accept its terms on huggingface.co, then log in (hf auth login, or set HF_TOKEN)"
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return "no such dataset (a private one needs a login: hf auth login, or set HF_TOKEN)"
+    if isinstance(error, errors.LocalEntryNotFoundError):  # the Hub not asked, or not answering, and nothing cached
+        if constants.HF_HUB_OFFLINE:
+            return "it is not downloaded yet and HF_HUB_OFFLINE is set: unset it, or pass the tasks' directory"
+        return (f"{_first_line(error.__cause__ or error)}: check the network (or HF_ENDPOINT), or pass the tasks' "
+                "directory")
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
