@@ -306,7 +306,8 @@ class EnginePool(EngineClient):
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.check_s)
-            await self._probe_all()
+            if self.waiting is None:  # while waiting, whoever waits asks the engines (`open` probes them)
+                await self._probe_all()
 
     async def _probe_all(self) -> None:
         """Probe every engine once, afresh (a probe begun earlier may predate an engine's return)."""

@@ -402,7 +402,7 @@ def test_engine_down_is_502_naming_the_url(tmp_path: Path) -> None:
         agent = Agent(running)
         got = agent.chat([{"role": "user", "content": "x"}])
         assert got.status_code == 502 and url in got.json()["error"]["message"]
-        assert httpx.get(f"{running.url}/health").status_code == 200
+        assert httpx.get(f"{running.url}/health").json()["engines"][0]["url"] == url  # the proxy itself stays up
 
 
 def test_engine_timeout_is_504(fake_engine_server: Served, fake_engine: FakeEngine, tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ def test_proxy_modules_and_command_never_import_torch() -> None:
 
 def test_serve_proxy_refuses_an_engine_that_cannot_capture_exactly(fake_engine_server: tuple, tmp_path: Path) -> None:
     """The doctor's start-up check: the fake engine has no processed top logprobs, no max_model_len, and its
-    derender refuses ids it never sampled; each failure is one line, and nothing starts (exit 1)."""
+    derender refuses ids it never sampled; each failure is one line, and nothing is served (exit 1)."""
     fake_engine = fake_engine_server[1]
     done = subprocess.run([sys.executable, "-m", "harness_rl.cli", "serve", "proxy", "--upstream", fake_engine,
                            "--port", "0", "--store", str(tmp_path / "store")], capture_output=True, text=True,
@@ -109,7 +109,12 @@ def test_serve_proxy_waits_for_an_engine_then_names_it_when_it_never_answers(tmp
                                "--port", "0", "--store", str(tmp_path / "store"), "--engine-wait", "3"],
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert "FAIL  engine answers" in done.stderr and "GET /v1/models" in done.stderr
+    [waiting] = done.stdout.splitlines()  # it listened meanwhile, and said so at start
+    assert waiting.startswith("harness-rl proxy on http://127.0.0.1:")
+    assert waiting.endswith(f", waiting for the engine at {silent}: 0 of 3 s")
+    first, failed = done.stderr.splitlines()
+    assert first == f"harness-rl serve proxy: the engine at {silent} cannot capture exactly:"
+    assert failed.startswith("  FAIL  engine answers") and "GET /v1/models" in failed
 
 
 def test_a_port_in_use_is_one_line_and_exit_1(fake_engine_server: tuple, tmp_path: Path) -> None:
