@@ -145,7 +145,7 @@ def test_train_starts_itself_under_torchrun_without_its_own_flag() -> None:
     for argv in (["train", "--nproc-per-node", "4", "--max-steps", "3"], ["train", "--nproc-per-node=4",
                                                                            "--max-steps", "3"]):
         command = torchrun_command(4, argv)
-        assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+        assert command[1:] == ["-m", "harness_rl.torchrun", "--standalone", "--nproc-per-node", "4", "-m",
                                "harness_rl", "train", "--max-steps", "3"]
 
 

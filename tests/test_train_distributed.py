@@ -32,7 +32,7 @@ def test_the_demo_learns_with_two_learner_processes(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     print(f"2-process demo: {time.monotonic() - started:.0f}s, reward {summary['reward_first_steps']:.3f} -> "
           f"{summary['reward_last_steps']:.3f}")
-    assert "torch.distributed.run --standalone --nproc-per-node 2 -m harness_rl train" in done.stderr
+    assert "harness_rl.torchrun --standalone --nproc-per-node 2 -m harness_rl train" in done.stderr
     assert summary["steps"] == 30 and summary["reward_first_steps"] < 0.15
     assert summary["reward_last_steps"] > summary["reward_first_steps"] + 0.3
     final = checkpoint_dir(out, 30)

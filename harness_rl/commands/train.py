@@ -134,5 +134,5 @@ def torchrun_command(processes: int, argv: list[str]) -> list[str]:
             skip = arg == "--nproc-per-node"
             continue
         rest.append(arg)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+    return [sys.executable, "-m", "harness_rl.torchrun", "--standalone", "--nproc-per-node", str(processes),
             "-m", "harness_rl", *rest]

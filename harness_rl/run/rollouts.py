@@ -124,7 +124,9 @@ class RolloutScheduler:
 
     Groups start on their own while `next_group` is not called (the learner trains meanwhile): at most
     `max_groups_in_flight` run at once, and at most `ahead` finished ones wait for the learner beyond them.
-    `max_groups` ends the work after that many groups (none: forever).
+    In lockstep they start only when a sync releases the scheduler (or when the learner waits with no group
+    left), never as another group happens to finish: which weights sample a group then does not depend on
+    timing. `max_groups` ends the work after that many groups (none: forever).
     """
 
     def __init__(
@@ -182,7 +184,8 @@ class RolloutScheduler:
         group's configuration error is raised here."""
         while True:
             self._changed.clear()
-            self._fill()
+            if not (self.config.lockstep and self._groups):
+                self._fill()
             done = [group_id for group_id, group in sorted(self._groups.items()) if group.done()]
             if done and (not self.config.lockstep or done[0] == min(self._groups)):
                 return self._groups.pop(done[0]).result()
@@ -219,7 +222,7 @@ class RolloutScheduler:
 
     def _group_done(self, group: asyncio.Future[RolloutGroup]) -> None:
         self._changed.set()
-        if not self._closed:
+        if not (self._closed or self.config.lockstep):
             self._fill()
 
     async def hold(self) -> SchedulerState:

