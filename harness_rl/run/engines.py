@@ -205,13 +205,13 @@ def _adapter_name(backend: str, run_dir: Path) -> str | None:
 
 def _require_exact_capture(url: str, backend: str, learner_vllm: str | None = None) -> None:
     """Refuse an engine that would record wrong tokens or logprobs, or whose weight transfer differs from the
-    learner's vLLM (`learner_vllm`), naming each flag it lacks (`harness-rl doctor`)."""
+    learner's vLLM (`learner_vllm`), naming each flag it lacks (`harness-rl doctor`), in one line."""
     from harness_rl.tools.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
 
     try:
         require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=backend, learner_vllm=learner_vllm)
     except EngineNotExact as exc:
-        raise RunStopped(str(exc)) from None
+        raise RunStopped(exc.one_line()) from None
 
 
 def _require_vllm_transfer(engine: EngineConfig, backend: str) -> str | None:

@@ -151,8 +151,25 @@ def _check_rollouts(config: RunConfig) -> None:
         if importlib.util.find_spec(rollouts.sandbox) is None:
             raise ConfigError("--sandbox", f"{rollouts.sandbox} is not installed: pip install "
                                            f"'harness-rl[{rollouts.sandbox}]'")
-        if rollouts.sandbox == "e2b" and not config.proxy.advertise_url:
-            raise ConfigError("--advertise-url", "an e2b sandbox needs a public URL that reaches the proxy")
+    if rollouts.sandbox == "e2b":
+        _check_e2b(config)
+
+
+def _check_e2b(config: RunConfig) -> None:
+    """A cloud sandbox reaches the proxy only at a public URL, and E2B creates none without an API key."""
+    from urllib.parse import urlparse
+
+    from harness_rl.run.rollouts import LOOPBACK_HOSTS
+
+    advertised = config.proxy.advertise_url
+    if not advertised:
+        raise ConfigError("--advertise-url", "an e2b sandbox needs a public URL that reaches the proxy")
+    if (urlparse(advertised).hostname or "") in LOOPBACK_HOSTS:
+        raise ConfigError("--advertise-url", f"{advertised} is this machine's loopback, which an e2b sandbox "
+                                             "cannot reach: give a public URL (a tunnel) that reaches the proxy")
+    if not (config.rollouts.sandbox_options.get("api_key") or os.environ.get("E2B_API_KEY")):
+        raise ConfigError("--sandbox", "e2b creates sandboxes only with an API key: set E2B_API_KEY (from "
+                                       "https://e2b.dev/dashboard?tab=keys)")
 
 
 def _check_learner(config: RunConfig) -> None:

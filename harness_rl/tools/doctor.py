@@ -97,8 +97,7 @@ class Report(msgspec.Struct, frozen=True):
     def require_exact(self) -> Report:
         """This report, or `EngineNotExact` naming each failing check and its fix."""
         if not self.ok:
-            lines = "\n".join(f"  {check.line()}" for check in self.failures())
-            raise EngineNotExact(f"the engine at {self.url} cannot capture exactly:\n{lines}")
+            raise EngineNotExact(self)
         return self
 
     def text(self) -> str:
@@ -106,7 +105,21 @@ class Report(msgspec.Struct, frozen=True):
 
 
 class EngineNotExact(RuntimeError):
-    """The engine cannot capture exactly; the message names every failing check and its fix."""
+    """The engine cannot capture exactly; the message names every failing check and its fix, a line each
+    (`one_line()`: all of them on one line, for a run that stops in one)."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        lines = "\n".join(f"  {check.line()}" for check in report.failures())
+        super().__init__(f"{self._heading()}:\n{lines}")
+
+    def _heading(self) -> str:
+        return f"the engine at {self.report.url} cannot capture exactly"
+
+    def one_line(self) -> str:
+        failures = "; ".join(f"{check.name}: {check.detail}" + (f" (fix: {check.fix})" if check.fix else "")
+                             for check in self.report.failures())
+        return f"{self._heading()}: {failures}"
 
 
 class NotAnEngine(RuntimeError):
@@ -129,8 +142,8 @@ def no_engine(url: str, status: int, detail: str) -> str:
         return f"{url} is not reachable ({asked}: {detail}): start the engine there, or correct the URL"
     if status >= 500:
         return f"{url} answered HTTP {status} on {asked}: the engine there is not serving ({detail})"
-    what = "without a model list" if status == 200 else f"HTTP {status} on"
-    return f"{url} answered {what} {asked}: not an inference engine (is it the proxy, or a wrong port?)"
+    what = f"{asked} without a model list" if status == 200 else f"HTTP {status} on {asked}"
+    return f"{url} answered {what}: not an inference engine (is it the proxy, or a wrong port?)"
 
 
 def reach_engine(url: str, timeout_s: float = 10.0) -> bool:
