@@ -229,8 +229,8 @@ def _check_device(device: str) -> None:
             raise ConfigError("--device", f"{device}: torch sees no CUDA device on this machine: use --device auto "
                                           "or cpu")
         if index >= count:
-            raise ConfigError("--device", f"{device}: this machine has {count} CUDA device(s), cuda:0 to "
-                                          f"cuda:{count - 1}: use one of them, or --device auto")
+            raise ConfigError("--device", f"{device}: torch sees {count} CUDA device(s) on this machine, cuda:0 "
+                                          f"to cuda:{count - 1}: use one of them, or --device auto")
     if device == "mps":
         import torch
 
