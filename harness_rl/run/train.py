@@ -95,7 +95,11 @@ class Run:
             waited = time.perf_counter()
             batch = [self.loop.run(self._next_group()) for _ in range(settings.groups_per_step)]
             self._stop_if_engines_gone()  # its last rollouts failed for that, not for what the policy did
-            _stop_on_setup_failures(batch, self.learner.step_count + 1)
+            try:
+                _stop_on_setup_failures(batch, self.learner.step_count + 1)
+            except RunStopped:
+                self.files.write(self.learner.step_count + 1, batch)  # what failed, to read in rollouts.jsonl
+                raise
             with finish_first(f"step {self.learner.step_count + 1}"):
                 try:
                     metrics = self.learner.step(batch, rollout_wait_s=time.perf_counter() - waited)
