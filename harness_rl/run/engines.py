@@ -63,6 +63,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vllm_args: Annotated[str, setting("extra arguments for vLLM with --engine vllm (one shell-quoted string)")] = ""
     max_model_len: Annotated[AtLeastOne | None, setting("context length of the embedded engine; none: the "
                                                         "model's own (at most 65536)")] = None
+    batch_invariant: Annotated[bool, setting(
+        "the embedded engine computes each request alone (one at a time, no prefix cache), so its tokens and "
+        "logprobs depend on nothing else it serves: a seeded --lockstep run, and its resume, reproduce exactly "
+        "whatever the timing; slower with many rollouts at once (vLLM's own: VLLM_BATCH_INVARIANT=1)")] = False
 
     @property
     def kind(self) -> EngineKind:
@@ -158,7 +162,7 @@ def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_mod
     from harness_rl.engine.engine import DEFAULT_MAX_MODEL_LEN
 
     embedded = Engine.from_pretrained(model_dir, seed=seed, max_model_len=engine.max_model_len or DEFAULT_MAX_MODEL_LEN,
-                                      served_model_name=served_model_name)
+                                      served_model_name=served_model_name, batch_invariant=engine.batch_invariant)
     server = serve_in_thread(embedded, forced_completions=forced_completions)
 
     def close() -> None:

@@ -205,15 +205,19 @@ def _check_output(config: RunConfig) -> None:
     if output.output_dir is None:
         return
     _check_directory("--output-dir", output.output_dir)
-    run = Path(output.output_dir)
-    if output.resume:
-        from harness_rl.learner.checkpoint import STATE_FILE, complete_checkpoints
+    from harness_rl.learner.checkpoint import checkpoint_step, latest_checkpoint
+    from harness_rl.run.resume import RUN_CONFIG
+    from harness_rl.run.run_files import RUN_RECORDS
 
-        if not complete_checkpoints(run):
-            raise ConfigError("--resume", f"no checkpoint under {run}/checkpoints (each holds {STATE_FILE})")
-    elif (run / "metrics.jsonl").exists():
-        raise ConfigError("--output-dir", f"{run} already holds a run: pass --resume to continue it, or choose "
-                                          "another directory")
+    run = Path(output.output_dir)
+    checkpoint = latest_checkpoint(run)
+    if checkpoint is not None and not output.resume:  # without a checkpoint, the same command starts it again
+        raise ConfigError("--output-dir", f"{run} holds a run saved at step {checkpoint_step(checkpoint)}: pass "
+                                          "--resume to continue it, or choose another directory")
+    records = [name for name in RUN_RECORDS if (run / name).exists()]
+    if records and not (run / RUN_CONFIG).is_file():
+        raise ConfigError("--output-dir", f"{run} holds {records[0]} but no {RUN_CONFIG}: it is not a run of "
+                                          "harness-rl's to continue or start again; choose another directory")
 
 
 def _check_device(device: str) -> None:

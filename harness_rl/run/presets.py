@@ -28,7 +28,7 @@ AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME,
 PRESETS: dict[str, dict[str, Any]] = {
     "real": {},
     "demo": {
-        "engine": {"model": "tiny"},
+        "engine": {"model": "tiny", "batch_invariant": True},
         "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16, "lockstep": True},
         "learner": {"learning_rate": 1e-2, "max_steps": 40},
     },
