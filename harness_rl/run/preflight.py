@@ -29,10 +29,11 @@ DEVICES = "auto, cpu, cuda, cuda:N or mps"
 
 
 def check(config: RunConfig) -> None:
-    """Everything that can be known wrong before a training run starts."""
+    """Everything that can be known wrong before a training run starts (the learner's own settings first: the
+    engine and the tasks may be asked over the network)."""
+    _check_learner(config)
     _check_engine(config)
     _check_rollouts(config)
-    _check_learner(config)
     _check_output(config)
     _check_proxy(config)
 
