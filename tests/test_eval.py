@@ -105,7 +105,7 @@ def test_a_presets_harness_options_stay_with_its_harness() -> None:
 
 @pytest.mark.parametrize(("settings", "flag"), [
     ({"engine": {"model": "tiny"}, "tasks": ["no/such/dir"]}, "--tasks"),
-    ({"engine": {"model": "tiny", "engine": "http://127.0.0.1:9"}}, "--model"),
+    ({"engine": {"model": "tiny", "engine": "http://127.0.0.1:9"}}, "--engine"),  # tiny is served there; none is
     ({"engine": {"model": "tiny-agent"}, "rollouts": {"harness": "opencode"}}, "--model"),
 ])
 def test_bad_eval_settings_name_their_flag(settings: dict, flag: str) -> None:

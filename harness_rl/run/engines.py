@@ -247,7 +247,7 @@ def _is_transfer(backend: str) -> bool:
 def _is_harness_rl_engine(url: str) -> bool:
     """Our engine stamps every reply with its policy version; vLLM does not. The run stops, saying what answered
     on which route, when no engine does."""
-    from harness_rl.tools.doctor import NotAnEngine, reach_engine
+    from harness_rl.tools.engine_contact import NotAnEngine, reach_engine
 
     try:
         return reach_engine(url)

@@ -106,7 +106,7 @@ def _check_engine(config: RunConfig) -> None:
     if config.proxy.sampling.temperature is None:
         raise ConfigError("--temperature", "training needs one pinned sampling temperature (the learner's)")
     if kind == "url":
-        from harness_rl.tools.doctor import NotAnEngine, reach_engine
+        from harness_rl.tools.engine_contact import NotAnEngine, reach_engine
 
         for url in settings.engine:
             try:
