@@ -4,6 +4,7 @@ command end to end on the embedded engine (its output is a training run's, so `h
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import msgspec
@@ -129,8 +130,10 @@ def test_eval_on_the_embedded_engine_writes_a_runs_files_that_sft_reads(tmp_path
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eval"
     digits = ROOT / "examples" / "tasks" / "digits"
+    own_handler = signal.getsignal(signal.SIGTERM)
     assert main(["eval", "--model", "tiny", "--tasks", str(digits), "--tasks", str(digits), "--num-samples", "3",
                  "--output-dir", str(out)]) == 0
+    assert signal.getsignal(signal.SIGTERM) is own_handler  # a command run in-process leaves no handler behind
     printed = capsys.readouterr().out
     report = json.loads((out / "eval.json").read_text())
     assert [s["split"] for s in report["splits"]] == ["digits", "digits-2"]

@@ -7,7 +7,6 @@ Flags are generated from `harness_rl.run.config.EvalConfig` (the engine, proxy a
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from harness_rl.commands.help_layout import RUN_GROUPS, preset_default_text
 from harness_rl.flags import add_flag_groups, flags_of
@@ -35,12 +34,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
-    import signal
     import sys
 
     from harness_rl.demo import models
@@ -61,15 +55,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl eval: {exc}", file=sys.stderr)
         return 2
 
+    from harness_rl.commands.stopping import sigterm_as_ctrl_c
     from harness_rl.demo.teacher import TeacherError
     from harness_rl.demo.tiny_agent import TinyAgentError
     from harness_rl.run.evaluate import evaluate, table
     from harness_rl.run.train import RunStopped
 
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
-        report = evaluate(config, model_dir)
+        with sigterm_as_ctrl_c():
+            model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
+            report = evaluate(config, model_dir)
     except KeyboardInterrupt:
         print("harness-rl eval: interrupted; rollouts and sessions closed", file=sys.stderr)
         return 130

@@ -10,7 +10,6 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Any
 
 from harness_rl.commands.help_layout import RUN_GROUPS, preset_default_text
 from harness_rl.flags import add_flag_groups, flags_of
@@ -66,10 +65,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     import signal
 
@@ -100,21 +95,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl train: starting {shlex.join(command)}", file=sys.stderr, flush=True)
         os.execv(sys.executable, command)  # torchrun takes this process's place, signals and exit code included
 
+    from harness_rl.commands.stopping import sigterm_as_ctrl_c
     from harness_rl.demo.teacher import TeacherError
     from harness_rl.demo.tiny_agent import TinyAgentError
     from harness_rl.learner import distributed
     from harness_rl.run.train import RunStopped, follow, train
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a job scheduler's stop is handled like Ctrl-C
     ranks = distributed.join_learner(config.learner.device, config.learner.collective_timeout_s)
     try:
-        if not ranks.leader:  # rank 0 stops the run, after a checkpoint these ranks write their shards of
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if not ranks.leader:  # rank 0 stops the run; these ranks (torchrun's processes) write their shards
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # of its last checkpoint first
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             follow(config)
             return 0
-        model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
-        train(config, model_dir)
+        with sigterm_as_ctrl_c():
+            model_dir = models.model_dir(config.engine.model, seed=config.seed, harness=config.rollouts.harness)
+            train(config, model_dir)
     except KeyboardInterrupt:
         return 130
     except (RunStopped, TinyAgentError, TeacherError) as exc:
