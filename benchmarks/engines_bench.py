@@ -29,7 +29,7 @@ import httpx
 from harness_rl.background import BackgroundLoop
 from harness_rl.run.stack import serve_proxy
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"

@@ -41,9 +41,9 @@ import msgspec
 from processes import ROOT, load, start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
 from proxy_bench import TOOLS
 
+from proxy.capture.local_render import LocalTemplate
 from proxy.config import ProxyConfig
-from proxy.local_render import LocalTemplate
-from proxy.upstream import PROBE, ChatRender
+from proxy.upstream.client import PROBE, ChatRender
 
 MARKS = (10, 50, 100, 200)
 WINDOW = 5

@@ -5,7 +5,7 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
 
   damaged stores the log of one 100-turn session, cut to 10, 19 and 100 turns (logs are append-only),
                  damaged four ways (its torn last line; each line in turn corrupt, duplicated or
-                 missing) and read back by the proxy's own recovery (proxy.recovery.load_log): the
+                 missing) and read back by the proxy's own recovery (proxy.capture.recovery.load_log): the
                  turns lost per damaged line (max, median, mean) with the default --whole-turn-every 8
                  beside the same session logged as deltas only (--whole-turn-every none), and whether
                  every turn served is exact. Then end to end: a restarted proxy on a 19-turn log whose
@@ -35,8 +35,8 @@ from typing import Any
 import aiohttp
 from chaos_bench import SYSTEM, ProxyProcess, chat, fetch_trace, health, load, new_session, start_engine
 
+from proxy.capture.recovery import load_log
 from proxy.config import ProxyConfig
-from proxy.recovery import load_log
 
 # ---------------------------------------------------------------------------------------- damaged stores
 
@@ -100,7 +100,7 @@ def _costs(log_lines: list[bytes], served: list[dict[str, Any]], damage: str, le
 async def damaged_stores(engine: str, work: Path) -> None:
     """Every line of 10-, 19- and 100-turn session logs damaged in turn, read back by the proxy's recovery."""
     bound = ProxyConfig().whole_turn_every
-    print(f"\ndamaged stores: each line of a session log damaged in turn, read back by proxy.recovery; "
+    print(f"\ndamaged stores: each line of a session log damaged in turn, read back by proxy.capture.recovery; "
           f"--whole-turn-every {bound} (the default) beside none (deltas only)  [{load()}]")
     logs = {}
     for setting in ("none", str(bound)):

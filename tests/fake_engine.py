@@ -27,7 +27,7 @@ IM_START, IM_END, TOOL_CALL, DRIFT, THINK = 1, 2, 3, 4, 5
 ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 TOOLS_ID = 14
 TOOL_NUMBER = 1_100_000  # past every text id
-PROBE_MESSAGE = {"role": "user", "content": "hi"}  # what the proxy renders new messages behind (proxy.upstream.PROBE)
+PROBE_MESSAGE = {"role": "user", "content": "hi"}  # proxy.upstream.client.PROBE
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -156,9 +156,9 @@ class FakeEngine:
                       add_generation_prompt: bool) -> list[int]:
         """The model's own template and tokenizer, shaped as vLLM shapes messages (the proxy's local renderer, which
         is checked against vLLM elsewhere: here it only has to be fast and deterministic)."""
-        from proxy.capture import token_ids
-        from proxy.local_render import LocalTemplate
-        from proxy.upstream import ChatRender
+        from proxy.capture.local_render import LocalTemplate
+        from proxy.tokens import token_ids
+        from proxy.upstream.client import ChatRender
 
         if self._template is None:
             self._template = LocalTemplate.load(str(self.model_dir))

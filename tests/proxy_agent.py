@@ -10,7 +10,7 @@ import msgspec
 
 from harness_rl.trace import TrainingTrace
 from proxy.chat import ChatMessage
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 BASH_SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command", "parameters": BASH_SCHEMA}}]

@@ -33,7 +33,7 @@ from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
 from harness_rl.run.stack import serve_proxy
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from harness_rl.learner.samples import build_samples
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.trace import Branch, Request, TrainingTrace, Turn
 from harness_rl.trace.stats import trace_stats
-from proxy.branches import classify
-from proxy.server import RunningProxy
+from proxy.capture.branches import classify
+from proxy.server.app import RunningProxy
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}, "prompt": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": name, "description": name, "parameters": SCHEMA}}

@@ -34,7 +34,7 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace, Turn
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Prompts rendered in the proxy with the model's own tokenizer.json and chat template (`proxy.local_render`):
+"""Prompts rendered in the proxy with the model's own tokenizer.json and chat template (`proxy.capture.local_render`):
 the same ids as the engine's rendering (the embedded engine here, vLLM in test_vllm_suffix.py), never used when
 the files are not what the engine runs, and one engine round trip fewer per call."""
 
@@ -20,9 +20,9 @@ from proxy_agent import TOOLS, Agent
 from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
+from proxy.capture.local_render import LocalRendering, LocalTemplate, _message
 from proxy.config import ProxyConfig
-from proxy.local_render import LocalRendering, LocalTemplate, _message
-from proxy.upstream import ChatRender, EngineClient, Rendered
+from proxy.upstream.client import ChatRender, EngineClient, Rendered
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls -la"}'}}
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -111,7 +111,7 @@ def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(loaded_dir: Path)
     import jinja2.ext
     import jinja2.sandbox
 
-    from proxy.local_render import _sandbox
+    from proxy.capture.local_render import _sandbox
 
     stock = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                          extensions=[jinja2.ext.loopcontrols])
@@ -234,8 +234,8 @@ def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: 
 
     script = "\n".join([
         "import sys, msgspec",
-        "from proxy.local_render import LocalTemplate",
-        "from proxy.upstream import ChatRender",
+        "from proxy.capture.local_render import LocalTemplate",
+        "from proxy.upstream.client import ChatRender",
         f"template = LocalTemplate.load({str(loaded_dir)!r})",
         "messages = [msgspec.Raw(msgspec.json.encode({'role': 'user', 'content': 'hi'}))]",
         "rendered = template.render(ChatRender(messages=messages, add_generation_prompt=True), 'openai')",

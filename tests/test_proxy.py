@@ -18,9 +18,9 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.client import ProxyClient, ProxyClientError
 from proxy.config import ProxyConfig
-from proxy.pipeline import BUDGET_MESSAGE
 from proxy.sampling import SamplingPolicy, call_seed
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
+from proxy.server.pipeline import BUDGET_MESSAGE
 
 Served = tuple[FakeEngine, str]  # the fake engine and its URL
 

@@ -11,8 +11,8 @@ import pytest
 from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent
 
-from proxy.anthropic import signature_for
-from proxy.server import RunningProxy
+from proxy.dialects.anthropic import signature_for
+from proxy.server.app import RunningProxy
 
 TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
          {"type": "web_search_20250305", "name": "web_search"}]

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from proxy.capture import CaptureGraph, Node, count_tokens, ids_text, token_ids, token_text
+from proxy.capture.graph import CaptureGraph, Node
+from proxy.tokens import count_tokens, ids_text, token_ids, token_text
 
 SYSTEM = list(range(100, 140))
 

@@ -80,7 +80,7 @@ def test_clean_shutdown_on_signal(fake_engine_server: tuple, tmp_path: Path, sig
 
 
 def test_proxy_modules_and_command_never_import_torch() -> None:
-    code = ("import sys, proxy, proxy.server, proxy.client, harness_rl.commands.serve_proxy\n"
+    code = ("import sys, proxy, proxy.server.app, proxy.client, harness_rl.commands.serve_proxy\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

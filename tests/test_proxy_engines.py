@@ -1,4 +1,4 @@
-"""Several engines behind one proxy (`proxy.engines`): sessions spread and stay put, a dead engine's sessions go
+"""Several engines behind one proxy (`proxy.upstream.pool`): sessions spread and stay put, a dead engine's sessions go
 on exactly elsewhere, and an engine serves only while it holds the announced weights.
 
 Each engine is a fake vLLM (tests/fake_engine.py) on its own port, stopped and started again on the same port
@@ -26,7 +26,7 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
 from proxy.control_api import Health
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 TASK = [{"role": "user", "content": "count"}]
 FAKE_ENGINE = Path(__file__).parent / "fake_engine.py"

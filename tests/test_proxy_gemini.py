@@ -14,11 +14,11 @@ from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent, comparable
 
 from harness_rl.trace import Reply, ToolCall
-from proxy import gemini
 from proxy.chat import Answer, assistant_message
-from proxy.gemini_stream import GeminiStream
+from proxy.dialects import gemini
+from proxy.dialects.gemini_stream import GeminiStream
 from proxy.live import head_of, whole_stream
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 SYNTHETIC_SIGNATURE = "skip_thought_signature_validator"

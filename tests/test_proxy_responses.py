@@ -14,11 +14,11 @@ from fake_engine import FakeEngine, Scripted
 from proxy_agent import Agent, comparable
 
 from harness_rl.trace import Reply, ToolCall
-from proxy import openai_responses
 from proxy.chat import Answer, assistant_message
+from proxy.dialects import openai_responses
+from proxy.dialects.openai_responses_stream import ResponsesStream
 from proxy.live import head_of, whole_stream
-from proxy.openai_responses_stream import ResponsesStream
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 

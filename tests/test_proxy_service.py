@@ -177,7 +177,7 @@ def test_a_started_proxy_waits_until_opened(fake_engine_server: tuple, fake_engi
     dialect gets its own error shape."""
     from harness_rl.background import BackgroundLoop
     from proxy.config import ProxyConfig
-    from proxy.server import start_proxy
+    from proxy.server.app import start_proxy
 
     with BackgroundLoop("waiting-proxy") as loop:
         config = ProxyConfig(upstream=fake_engine_server[1], store_dir=str(tmp_path / "store"), admin_token="a")

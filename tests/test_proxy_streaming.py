@@ -18,8 +18,8 @@ from fake_engine import IM_END, FakeEngine, Scripted, logprob_of
 from proxy_agent import TOOLS, Agent
 
 from harness_rl.trace import TrainingTrace
-from proxy.engine_stream import _settled
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
+from proxy.upstream.stream import _settled
 
 WORDS = " ".join(f"w{i}" for i in range(60))  # ~80 tokens of 4 bytes
 Block = tuple[float, dict[str, Any]]  # an SSE event's arrival time and its data

@@ -16,7 +16,7 @@ from harness_rl.engine import Engine
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 LONG = " ".join(f"word{i}" for i in range(600))  # far more than 256 tokens
 

@@ -16,7 +16,7 @@ import pytest
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace, Turn
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 pytestmark = pytest.mark.slow
 

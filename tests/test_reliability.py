@@ -40,8 +40,8 @@ from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
-from proxy.server import RunningProxy
-from proxy.upstream import check_sample
+from proxy.server.app import RunningProxy
+from proxy.upstream.client import check_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = {"Authorization": "Bearer admin"}
@@ -255,7 +255,7 @@ def stored(hostile_server: tuple[HostileEngine, str], hostile: HostileEngine, tm
 
 
 def test_chains_are_bounded_by_whole_records(stored: Stored) -> None:
-    from proxy.store import decode_turn
+    from proxy.capture.store import decode_turn
 
     lines = stored.log.read_bytes().splitlines()[1:]
     bases = [decode_turn(line).base for line in lines]

@@ -3,7 +3,7 @@
 A 100-turn session is recorded through a real proxy (the fake engine behind it); its log's first
 n + 1 lines are the log of the same session after n turns (logs are append-only). Each log is damaged
 one line at a time in each way a disk or a crash damages it, and read back by the proxy's own recovery
-(`proxy.recovery.load_log`). Every turn served must be exactly the recorded one, and the turns lost to
+(`proxy.capture.recovery.load_log`). Every turn served must be exactly the recorded one, and the turns lost to
 one damaged line at most `whole_turn_every` (the default, 8), whatever the session's length. The
 figures of the same measurement are printed by `benchmarks/chaos_bench.py --only damage`.
 """
@@ -21,8 +21,8 @@ from proxy_agent import Agent
 
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import Turn
+from proxy.capture.recovery import load_log
 from proxy.config import ProxyConfig
-from proxy.recovery import load_log
 
 BOUND = 8  # ProxyConfig's default whole_turn_every
 LENGTHS = (10, 19, 100)
@@ -79,7 +79,7 @@ def _exact(turn: Turn) -> bytes:
 
 
 def test_the_default_log_holds_every_eighth_turn_whole(recorded: tuple[list[bytes], list[Turn]]) -> None:
-    from proxy.store import decode_turn
+    from proxy.capture.store import decode_turn
 
     whole = [i for i, line in enumerate(recorded[0][1:]) if decode_turn(line.rstrip(b"\n")).base is None]
     assert ProxyConfig().whole_turn_every == BOUND and whole == list(range(0, 100, BOUND))

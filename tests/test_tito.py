@@ -18,9 +18,9 @@ from proxy_agent import TOOLS, Agent
 
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
+from proxy.capture.tito import DIGEST, Remembered, ReplyIndex
 from proxy.config import ProxyConfig
-from proxy.server import RunningProxy
-from proxy.tito import DIGEST, Remembered, ReplyIndex
+from proxy.server.app import RunningProxy
 
 TASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"}]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_rl.trace import Reply, Request, ToolCall, TrainingTrace, Turn
-from proxy.branches import classify
+from proxy.capture.branches import classify
 
 SYSTEM = "You are a careful coding agent. Use the tools to inspect and change files, then answer briefly."
 TASK = "Write the digits 0 to 9 to answer.txt, one line."

@@ -22,7 +22,7 @@ from harness_rl.settings import ConfigError
 from proxy.config import ProxyConfig
 
 if TYPE_CHECKING:
-    from proxy.server import RunningProxy
+    from proxy.server.app import RunningProxy
 
 DEFAULT_PORT = 8100
 ADMIN_TOKEN_ENV = "HARNESS_RL_ADMIN_TOKEN"
@@ -152,7 +152,7 @@ async def _serve(config: ProxyConfig, source: str, engine_check: bool, wait_s: f
     import gc
     import signal
 
-    from proxy.server import start_proxy
+    from proxy.server.app import start_proxy
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

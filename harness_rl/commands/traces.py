@@ -37,7 +37,7 @@ def _load(path: Path) -> TrainingTrace:
     (exit 1 is kept for a trace that breaks the contract)."""
     try:
         if path.suffix == ".jsonl":
-            from proxy.recovery import trace_from_log
+            from proxy.capture.recovery import trace_from_log
 
             return trace_from_log(path)
         return TrainingTrace.load(path)

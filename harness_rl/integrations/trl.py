@@ -54,7 +54,7 @@ from harness_rl.trace import TrainingTrace, Turn
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
 from proxy.sampling import SamplingPolicy
-from proxy.server import RunningProxy
+from proxy.server.app import RunningProxy
 
 try:
     from openenv.core.env_server.mcp_types import Tool
@@ -273,7 +273,7 @@ class _Runtime:
 
     @classmethod
     def start(cls, factory: HarnessRLSessionFactory) -> _Runtime:
-        from proxy.server import start_proxy
+        from proxy.server.app import start_proxy
 
         loop = BackgroundLoop("harness-rl-trl")
         with contextlib.ExitStack() as undo:

@@ -2,7 +2,7 @@
 
 Three kinds of engine: the embedded engine in this process, vLLM started as a child for the run
 (with `harness-rl serve vllm`'s flags), or running engines at URLs — one or several, all behind the
-run's one proxy (`proxy.engines` keeps a session on one engine; `run.fanout_sync` pushes each new
+run's one proxy (`proxy.upstream.pool` keeps a session on one engine; `run.fanout_sync` pushes each new
 version to every engine at once). Which weight-sync backend an engine takes is decided here, once
 (`sync_backend`); the preflight checks the choice against the same table (`SYNC_BACKENDS`). A LoRA
 run syncs its adapter alone into vLLM (`lora`: vLLM serves it under the run's adapter name, which
@@ -27,7 +27,7 @@ from harness_rl.settings import AtLeastOne, setting
 
 if TYPE_CHECKING:
     from harness_rl.learner.weight_sync import WeightSync
-    from proxy.upstream import EngineClient
+    from proxy.upstream.client import EngineClient
 
 EngineKind = Literal["embedded", "vllm", "url"]
 # The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
@@ -330,9 +330,9 @@ class EngineSampler:
 
     def sample(self, prompt: list[int]) -> tuple[list[int], list[float]]:
         """Ids the next engine samples after `prompt`, and their logprobs (the engine after it if it fails)."""
-        from proxy.engine_wire import SamplingParams
         from proxy.errors import ProxyError
-        from proxy.upstream import Rendered
+        from proxy.upstream.client import Rendered
+        from proxy.upstream.wire import SamplingParams
 
         urls = self.urls()
         first = self.checks % len(urls)
@@ -348,7 +348,7 @@ class EngineSampler:
         return sampled.ids, sampled.logps
 
     def _client(self, url: str) -> EngineClient:
-        from proxy.upstream import EngineClient
+        from proxy.upstream.client import EngineClient
 
         if url not in self.clients:
             self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, retries=2, model=self.model)

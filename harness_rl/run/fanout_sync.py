@@ -4,7 +4,7 @@ reported version is read back.
 One learner backend per engine (`learner.weight_sync`: http, nccl or reload), each pushed on its own
 thread, so a sync over N engines takes about as long as the slowest one. An engine that fails its push,
 or reports another version after it, is left out of that version: the proxy keeps it out of service
-until a later push reaches it (`proxy.engines`), and its backend is built afresh for that push (an
+until a later push reaches it (`proxy.upstream.pool`), and its backend is built afresh for that push (an
 engine that restarted has lost its transfer group, its weights and its version). A push fails only when
 no engine took it.
 

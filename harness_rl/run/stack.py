@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from harness_rl.run.rollouts import RolloutScheduler
     from proxy.client import ProxyClient
     from proxy.config import ProxyConfig
-    from proxy.server import RunningProxy
+    from proxy.server.app import RunningProxy
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Stack:
 
 
 async def _start_proxy(config: ProxyConfig) -> RunningProxy:
-    from proxy.server import start_proxy
+    from proxy.server.app import start_proxy
 
     return await start_proxy(config)
 

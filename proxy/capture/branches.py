@@ -4,7 +4,7 @@ Real agents hold several conversations in one rollout: Claude Code hands work to
 conversation whose task is the prompt the agent wrote in its Agent/Task tool call) and compacts its
 context when it fills (it asks the model for a summary, then goes on in a fresh conversation that
 carries it); opencode and codex compact the same way; agents retry, rewrite their history and fire
-calls at once. The first pass (`proxy.capture`) links each turn to its parent by exact token prefix
+calls at once. The first pass (`proxy.capture.graph`) links each turn to its parent by exact token prefix
 and gives roles; this one reads what the token graph cannot see, the texts:
 
 - a *summary* is a call nobody continued, whose reply (its whole text, or one of its lines of at least

@@ -19,44 +19,7 @@ from bisect import bisect_right, insort
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import msgspec
-
-SEP = b","
-_DIGITS = b"0123456789"
-_WHITESPACE = b" \t\r\n"
-
-
-def token_text(ids: list[int]) -> bytes:
-    """Token ids as the tree's text: each id's digits followed by a comma."""
-    return msgspec.json.encode(ids)[1:-1] + SEP if ids else b""
-
-
-def ids_text(array_json: bytes) -> tuple[bytes, int] | None:
-    """The tree's text and the token count of a valid JSON array of ids (as an engine sent it), or None.
-
-    Valid JSON holding only digits and commas inside one pair of brackets is a flat array of
-    non-negative integers, so one C-level pass (deleting the digits) both checks it and counts it.
-    """
-    if b" " in array_json or b"\n" in array_json:
-        array_json = array_json.translate(None, _WHITESPACE)
-    commas = array_json.translate(None, _DIGITS)
-    if len(commas) < 2 or commas != b"[" + SEP * (len(commas) - 2) + b"]":
-        return None
-    inner = array_json[1:-1]
-    return (inner + SEP, len(commas) - 1) if inner else (b"", 0)
-
-
-def token_ids(text: bytes) -> list[int]:
-    return msgspec.json.decode(b"[" + text[:-1] + b"]") if text else []
-
-
-def count_tokens(text: bytes) -> int:
-    return text.count(SEP)
-
-
-def offset_after(text: bytes, tokens: int) -> int:
-    """Byte offset just past the first `tokens` tokens of `text`."""
-    return len(text) - len(text.split(SEP, tokens)[-1]) if tokens else 0
+from proxy.tokens import SEP
 
 
 @dataclass(eq=False, slots=True)
@@ -177,7 +140,7 @@ class CaptureGraph:
 
     def roles(self, continued: Collection[str] = ()) -> tuple[dict[str, str | None], dict[str, str]]:
         """Parents and roles: agent, auxiliary (tool-less side paths) or discarded (abandoned retries). (The second
-        pass over the texts, `proxy.branches`, marks compaction summaries and gives each turn its branch.)
+        pass over the texts, `proxy.capture.branches`, marks compaction summaries and gives each turn its branch.)
 
         A retry is a call whose messages and tools equal an earlier call's. Of a group of retries,
         the ones the agent went on from (a later turn extends them, or was rendered after their

@@ -17,7 +17,7 @@ that agrees is the engine's, and when neither agrees (another template, a `--cha
 the proxy never renders locally. Then a whole conversation rendered here is compared with the engine's
 rendering when it has a shape no compared conversation had (`shape_of`: the messages' roles and kinds of
 content, next to which others, with which tools and template arguments), else one in `CHECK_EVERY`;
-a spliced turn's new messages while the first `WARMUP_CHECKS` renders are made, then as `proxy.prompts`
+a spliced turn's new messages while the first `WARMUP_CHECKS` renders are made, then as `proxy.capture.prompts`
 samples them. One disagreement turns it off. An agent's conversation keeps to a few shapes, so after its
 first turns the hot path is two engine calls (generate, derender); the rare sample is there for what a
 shape does not show (text the two tokenizers would split differently).
@@ -36,10 +36,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from proxy.capture import token_text
 from proxy.chat import ChatMessage
 from proxy.errors import ProxyError
-from proxy.upstream import ChatRender, EngineClient, Rendered
+from proxy.tokens import token_text
+from proxy.upstream.client import ChatRender, EngineClient, Rendered
 
 log = logging.getLogger(__name__)
 ContentFormat = Literal["string", "openai"]

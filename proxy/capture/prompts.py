@@ -1,6 +1,6 @@
 """The prompt ids of one agent call: spliced onto the earlier turn it continues, or rendered whole.
 
-Token in, token out (`proxy.tito`) sends an agent's earlier replies back as the ids the engine sampled,
+Token in, token out (`proxy.capture.tito`) sends an agent's earlier replies back as the ids the engine sampled,
 so a call that continues one needs only the rendering of what follows the reply. That part is rendered
 alone, at a cost that does not grow with the conversation: the reply and the messages after it, behind a
 one-message probe (`PROBE`), with the call's tools and template arguments; the new messages' rendering
@@ -17,7 +17,7 @@ render, makes that turn use the whole rendering, records why on the turn (`rende
 session renders whole from then on. Whatever was rendered, the turn records the ids that were sampled
 from, so a trace is exact either way; the check keeps the prompt what the template would make.
 
-With the model's tokenizer and template at hand (`proxy.local_render`), renders are made in the proxy
+With the model's tokenizer and template at hand (`proxy.capture.local_render`), renders are made in the proxy
 instead, the engine's rendering of the whole conversation serving as the check; when they disagree, the
 proxy's renderer is turned off and the engine renders the new messages again before the template is
 blamed.
@@ -32,13 +32,13 @@ from pathlib import Path
 import msgspec
 
 from harness_rl.trace import PrefixBreak, PromptSource
-from proxy.capture import SEP, token_text
+from proxy.capture.local_render import LocalRendering, LocalTemplate, LocalTemplateError, shape_of
+from proxy.capture.session import Session
+from proxy.capture.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
-from proxy.local_render import LocalRendering, LocalTemplate, LocalTemplateError, shape_of
-from proxy.session import Session
-from proxy.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
-from proxy.upstream import PROBE, ChatRender, EngineClient, Rendered
+from proxy.tokens import SEP, token_text
+from proxy.upstream.client import PROBE, ChatRender, EngineClient, Rendered
 
 log = logging.getLogger(__name__)
 AUTO = "auto"

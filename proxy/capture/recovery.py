@@ -1,6 +1,6 @@
 """Reading a store back after a restart, trusting nothing in it and losing nothing good.
 
-Each session log is scanned line by line (`proxy.store.scan_log`): a damaged line is skipped,
+Each session log is scanned line by line (`proxy.capture.store.scan_log`): a damaged line is skipped,
 counted, its bytes kept under `STORE/quarantine/` and logged once (when first quarantined); a line
 logged twice counts once; nothing is ever truncated (a torn last line is only ended with a newline,
 so the next append starts a line of its own). Every turn whose stored form does not depend on a
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness_rl.trace import StoredTurn, TrainingTrace
+from proxy.capture.session import SESSION_ID, Session, SessionRegistry
+from proxy.capture.store import QUARANTINE, Damaged, Line, SessionLog, SessionOpened, end_line, quarantine, scan_log
 from proxy.control_api import Recovery
-from proxy.session import SESSION_ID, Session, SessionRegistry
-from proxy.store import QUARANTINE, Damaged, Line, SessionLog, SessionOpened, end_line, quarantine, scan_log
 
 log = logging.getLogger("harness_rl.proxy")
 

@@ -8,7 +8,7 @@ What a damaged line costs is bounded: every turn written as a delta rests on a t
 (its anchor), and once `whole_turn_every` turns rest on one anchor the next is written whole instead
 (memory keeps its delta). A linear session thus stores a whole turn every `whole_turn_every` turns,
 and a damaged or missing log line costs at most `whole_turn_every` turns, however long the session.
-Recovery (`proxy.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
+Recovery (`proxy.capture.recovery`) rebuilds every turn whose stored form does not depend on a damaged or
 missing line; a turn that cannot be rebuilt exactly is counted lost and left out, never guessed.
 Once a session is closed or deleted nothing more is written: a call still in flight then is
 answered with an error and its turn is not recorded.
@@ -38,11 +38,9 @@ from harness_rl.trace import (
     VersionSpan,
     rebuild_turns,
 )
-from proxy.branches import classify
-from proxy.capture import SEP, CaptureGraph, Node, offset_after, token_ids, token_text
-from proxy.control_api import Recovery, SessionSummary
-from proxy.errors import ProxyError
-from proxy.store import (
+from proxy.capture.branches import classify
+from proxy.capture.graph import CaptureGraph, Node
+from proxy.capture.store import (
     BudgetStop,
     Closed,
     SessionLog,
@@ -53,7 +51,10 @@ from proxy.store import (
     key_digest,
     private_dir,
 )
-from proxy.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messages, digests
+from proxy.capture.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messages, digests
+from proxy.control_api import Recovery, SessionSummary
+from proxy.errors import ProxyError
+from proxy.tokens import SEP, offset_after, token_ids, token_text
 
 
 @dataclass(slots=True)
@@ -67,16 +68,16 @@ class CapturedTurn:
 class TurnCapture:
     """Everything recorded about one engine call, as the dialect handler hands it over."""
 
-    prompt_text: bytes  # the engine's prompt ids as token text (proxy.capture)
+    prompt_text: bytes  # the engine's prompt ids as token text (proxy.tokens)
     n_prompt: int
     completion_ids: list[int]
     logps: list[float]
     messages: list[bytes]  # each forwarded message, JSON-encoded
-    message_digests: bytes  # proxy.tito.digests(messages)
+    message_digests: bytes  # proxy.capture.tito.digests(messages)
     tools: bytes | None  # the forwarded tools list, JSON-encoded
     reply: Reply
     sampling: Sampling
-    rendered: tuple[int, int] | None  # proxy.tito.fingerprint of the template's rendering of the conversation
+    rendered: tuple[int, int] | None  # proxy.capture.tito.fingerprint of the template's rendering of the conversation
     metadata: dict[str, Any]
     policy_version: int | None
     version_spans: list[VersionSpan]

@@ -26,8 +26,8 @@ from array import array
 from typing import Any
 
 from harness_rl.trace import PrefixBreak, Reply, common_prefix_len
-from proxy.capture import SEP
 from proxy.chat import ChatMessage, text_of
+from proxy.tokens import SEP
 
 DIGEST = 8  # bytes per message digest
 TOOL_ID_PREFIXES = ("toolu_", "call_", "fc_")
@@ -98,7 +98,7 @@ class ReplyIndex:
     """A session's answered calls by request, newest last; and how its spliced prompts are rendered.
 
     `renders_suffix` stays True while rendering the new messages alone agrees with rendering the whole
-    conversation (`proxy.prompts`); `check_due` spaces those checks out to about `budget` tokens a turn.
+    conversation (`proxy.capture.prompts`); `check_due` spaces those checks out to about `budget` tokens a turn.
     """
 
     def __init__(self) -> None:

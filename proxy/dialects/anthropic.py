@@ -1,5 +1,5 @@
 """Anthropic Messages: the body decoded into a `ChatCall`, the `Answer` rendered as a Message
-(its SSE events: `proxy.anthropic_stream`).
+(its SSE events: `proxy.dialects.anthropic_stream`).
 
 The engine has no token capture on its own Messages route, so the proxy terminates the dialect itself:
 system blocks become one system message (Claude Code's per-request billing-header block is dropped so

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from proxy.anthropic import signature_for, stop_reason, tool_input, tool_use_id
 from proxy.chat import Answer
+from proxy.dialects.anthropic import signature_for, stop_reason, tool_input, tool_use_id
 from proxy.live import AnswerHead, TextKind
 
 _ENCODER = msgspec.json.Encoder()

@@ -1,5 +1,5 @@
 """Google Gemini generateContent: the body decoded into a `ChatCall`, the `Answer` rendered as a
-GenerateContentResponse (its SSE chunks: `proxy.gemini_stream`).
+GenerateContentResponse (its SSE chunks: `proxy.dialects.gemini_stream`).
 
 `systemInstruction` becomes the system message, each `user` content its tool results (one tool
 message per `functionResponse`, right after the model turn that called) and then its text, each
@@ -11,7 +11,7 @@ hosted tools (Google Search, code execution, ...) are dropped and named on the c
 
 Answers are rendered so an agent echoing them yields the assistant message the proxy answered with:
 each `functionCall` carries the engine's tool-call id, and the reasoning is also sealed into the
-`thoughtSignature` of the answer's first call, else its text (`proxy.opaque_reasoning`), because
+`thoughtSignature` of the answer's first call, else its text (`proxy.dialects.opaque_reasoning`), because
 gemini-cli drops thought parts from its history but keeps signatures. A call echoed without an id
 keeps none (an empty id, which reply matching skips); a `functionResponse` without an id answers
 the oldest open call of that name.
@@ -26,7 +26,6 @@ from typing import Any, Literal
 import msgspec
 
 from harness_rl.trace import ToolCall
-from proxy import opaque_reasoning
 from proxy.chat import (
     Answer,
     ChatCall,
@@ -42,6 +41,7 @@ from proxy.chat import (
     ToolChoice,
     decode_typed,
 )
+from proxy.dialects import opaque_reasoning
 from proxy.errors import ProxyError, error_body
 
 FINISH_REASONS = {"length": "MAX_TOKENS"}  # every other ending, tool calls included, is STOP in Gemini

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from proxy import opaque_reasoning
 from proxy.chat import Answer
-from proxy.gemini import call_part, chunk
+from proxy.dialects import opaque_reasoning
+from proxy.dialects.gemini import call_part, chunk
 from proxy.live import AnswerHead, TextKind
 
 _ENCODER = msgspec.json.Encoder()

@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 
 from proxy.chat import Answer
+from proxy.dialects.openai_chat import logprobs_block, usage
 from proxy.live import AnswerHead, TextKind
-from proxy.openai_chat import logprobs_block, usage
 
 _ENCODER = msgspec.json.Encoder()
 

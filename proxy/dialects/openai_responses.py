@@ -1,5 +1,5 @@
 """OpenAI Responses: the body decoded into a `ChatCall`, the `Answer` rendered as a Response (its typed events:
-`proxy.openai_responses_stream`).
+`proxy.dialects.openai_responses_stream`).
 
 `input` is a string or a list of items. Items are grouped into chat messages: `instructions` and
 `developer` messages become system messages (chat templates render no developer role), `message`
@@ -11,7 +11,7 @@ function tools; `namespace` tools are flattened into their member functions and 
 Answers are rendered so that an agent echoing them back yields the very assistant message the
 proxy answered with: the function call's `call_id` is the engine's tool-call id and its `arguments`
 the engine's string, and a reasoning item carries its text in `encrypted_content`
-(`proxy.opaque_reasoning`), which clients echo even when they drop the text. `previous_response_id`
+(`proxy.dialects.opaque_reasoning`), which clients echo even when they drop the text. `previous_response_id`
 is resolved within the agent's session (`ResponseMemory`); `store` is not acted on.
 """
 
@@ -25,7 +25,6 @@ from typing import Any, Literal
 import msgspec
 
 from harness_rl.trace import ToolCall
-from proxy import opaque_reasoning
 from proxy.chat import (
     Answer,
     ChatCall,
@@ -43,6 +42,7 @@ from proxy.chat import (
     assistant_message,
     decode_typed,
 )
+from proxy.dialects import opaque_reasoning
 from proxy.errors import ProxyError
 
 _ENCODER = msgspec.json.Encoder()

@@ -15,8 +15,8 @@ import msgspec
 
 from harness_rl.trace import Reply
 from proxy.chat import Answer, ChatCall
+from proxy.dialects.openai_responses import call_item, message_item, reasoning_item, response_dict
 from proxy.live import AnswerHead, TextKind
-from proxy.openai_responses import call_item, message_item, reasoning_item, response_dict
 
 _ENCODER = msgspec.json.Encoder()
 

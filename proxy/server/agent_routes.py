@@ -2,7 +2,7 @@
 
 Agents reach their session by path (`/s/{id}/v1/...`, `/s/{id}/v1beta/models/...`) or by presenting the
 session key as their API key on the plain paths; the key is required either way. A streaming agent gets
-its text as the engine samples it (`proxy.streaming`), and keep-alives while the engine is quiet. A call
+its text as the engine samples it (`proxy.server.streaming`), and keep-alives while the engine is quiet. A call
 runs on its own task: a whole answer is captured to its end even if the agent leaves; a streamed one is
 cut short. Either way a completion the agent never received stays in the trace with mask 0.
 """
@@ -17,24 +17,24 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy import anthropic, gemini, openai_chat, openai_responses
-from proxy.anthropic_stream import MessagesStream
+from proxy.capture.session import Session, SessionRegistry
 from proxy.chat import Answer, ChatCall
 from proxy.config import ProxyConfig
-from proxy.connections import ConnectionGuard
-from proxy.delivery import SSE_HEADERS, EventStream, deliver, end_stream, undelivered, waiting
-from proxy.engines import bind_session
+from proxy.dialects import anthropic, gemini, openai_chat, openai_responses
+from proxy.dialects.anthropic_stream import MessagesStream
+from proxy.dialects.gemini_stream import GeminiStream
+from proxy.dialects.openai_chat_stream import ChatStream
+from proxy.dialects.openai_responses_stream import ResponsesStream
 from proxy.errors import ProxyError, error_body
-from proxy.gemini_stream import GeminiStream
-from proxy.limits import log_left, read_body
 from proxy.live import AnswerHead, LiveStream, Opened, StreamEvent, Text, head_of, whole_stream
-from proxy.openai_chat_stream import ChatStream
-from proxy.openai_responses_stream import ResponsesStream
-from proxy.pipeline import CapturePipeline, budget_answer
 from proxy.sampling import check_max_tokens
-from proxy.session import Session, SessionRegistry
-from proxy.streaming import capture_streamed
-from proxy.upstream import EngineClient
+from proxy.server.connections import ConnectionGuard
+from proxy.server.delivery import SSE_HEADERS, EventStream, deliver, end_stream, undelivered, waiting
+from proxy.server.limits import log_left, read_body
+from proxy.server.pipeline import CapturePipeline, budget_answer
+from proxy.server.streaming import capture_streamed
+from proxy.upstream.client import EngineClient
+from proxy.upstream.pool import bind_session
 
 HARNESS_SESSION_HEADERS = ("x-session-id", "proxy-x-session-id", "x-claude-code-session-id")
 SSE_COMMENT = b": keepalive\n\n"
@@ -233,7 +233,7 @@ class AgentRoutes:
         await self.engine.served_model()  # learns the engine's context size once it serves
         check_max_tokens(call, self.engine.max_model_len, session.opened.max_tokens_per_turn)
         renderer = RENDERERS[call.dialect]
-        bind_session(session)  # this call's engine requests go to the session's engine (proxy.engines)
+        bind_session(session)  # this call's engine requests go to the session's engine (proxy.upstream.pool)
         gate = self.pipeline.gate
         await gate.enter()
         if not session.admit():

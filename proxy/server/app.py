@@ -2,8 +2,8 @@
 
 Each model call is admitted against its session's budget, held while the learner syncs weights, sent
 to the engine with capture on, recorded durably, and only then answered in the agent's dialect
-(`proxy.pipeline`, `proxy.agent_routes`). The control API lives in `proxy.control_routes`; connection
-limits and read timeouts in `proxy.limits`.
+(`pipeline`, `agent_routes`). The control API lives in `control_routes`; connection limits and read
+timeouts in `limits`.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.agent_routes import AgentRoutes
+from proxy.capture.recovery import recover_store
+from proxy.capture.session import SessionRegistry
 from proxy.config import ProxyConfig
-from proxy.connections import ConnectionGuard
-from proxy.control_routes import ControlRoutes
-from proxy.engines import EnginePool
 from proxy.errors import Dialect, ProxyError, error_body
-from proxy.limits import LINGER_S, RequestHandler, client_left, log_left, send_and_close
-from proxy.pipeline import CapturePipeline
-from proxy.recovery import recover_store
-from proxy.session import SessionRegistry
+from proxy.server.agent_routes import AgentRoutes
+from proxy.server.connections import ConnectionGuard
+from proxy.server.control_routes import ControlRoutes
+from proxy.server.limits import LINGER_S, RequestHandler, client_left, log_left, send_and_close
+from proxy.server.pipeline import CapturePipeline
+from proxy.upstream.pool import EnginePool
 
 log = logging.getLogger("harness_rl.proxy")
 
 
 class Proxy:
-    """The running proxy's state: sessions, the engines (`proxy.engines`), the capture pipeline and its pause gate."""
+    """The running proxy's state: sessions, the engines (`upstream.pool`), the capture pipeline and its pause gate."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -111,7 +111,7 @@ def dialect_of(request: web.Request) -> Dialect:
 
 
 def error_response(dialect: Dialect, exc: ProxyError) -> web.Response:
-    from proxy.control_routes import json_response
+    from proxy.server.control_routes import json_response
 
     response = json_response(error_body(dialect, exc.status, exc.message), status=exc.status)
     response.headers.update(exc.headers)
@@ -135,7 +135,7 @@ class RunningProxy:
 
 
 async def start_proxy(config: ProxyConfig, waiting: str | None = None) -> RunningProxy:
-    """Start the proxy inside the running event loop, its connections counted and timed (`proxy.limits`).
+    """Start the proxy inside the running event loop, its connections counted and timed (`proxy.server.limits`).
 
     With `waiting`, it listens but sends no call (each is answered 503 with that reason) until
     `proxy.engine.open()`: `harness-rl serve proxy` waits so for its engine and checks it.

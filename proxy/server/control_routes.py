@@ -16,14 +16,14 @@ import msgspec
 from aiohttp import web
 
 from harness_rl.trace import FORMATS, TraceFormat, TraceFormatError, TraceValidationError
+from proxy.capture.session import Session, SessionRegistry, TraceSnapshot
 from proxy.config import ProxyConfig
-from proxy.connections import ConnectionGuard
 from proxy.control_api import Deleted, Health, Paused, PolicyVersion, SessionCreate, SessionInfo, SessionList
-from proxy.engines import EnginePool
 from proxy.errors import ProxyError
-from proxy.limits import read_body
-from proxy.pipeline import CapturePipeline
-from proxy.session import Session, SessionRegistry, TraceSnapshot
+from proxy.server.connections import ConnectionGuard
+from proxy.server.limits import read_body
+from proxy.server.pipeline import CapturePipeline
+from proxy.upstream.pool import EnginePool
 
 _ENCODER = msgspec.json.Encoder()
 CONTEXT_QUERY_S = 5.0  # how long creating a capped session waits to learn the engine's context size

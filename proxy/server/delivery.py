@@ -6,9 +6,9 @@ import asyncio
 
 from aiohttp import web
 
-from proxy.limits import log_left
+from proxy.capture.session import Session
 from proxy.live import Finished, StreamEvent
-from proxy.session import Session
+from proxy.server.limits import log_left
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 

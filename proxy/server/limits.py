@@ -6,7 +6,7 @@ covers a half-sent request); a body that has not arrived `body_timeout_s` after 
 answered 408 and its connection closed. Errors the HTTP parser answers itself (an oversize request
 line, bad headers) come back as JSON that both the OpenAI and the Anthropic SDKs parse, not as
 aiohttp's plain text. A client that leaves before its answer is one log line, never a proxy failure.
-How many connections each client may hold: `proxy.connections`.
+How many connections each client may hold: `proxy.server.connections`.
 """
 
 from __future__ import annotations

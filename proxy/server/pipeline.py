@@ -1,7 +1,7 @@
 """The capture pipeline: one agent call from admission to a durably recorded turn and its `Answer`.
 
 hold while the learner syncs weights → apply the sampling policy → make the prompt ids (spliced onto
-the earlier turn the agent continues, else rendered: `proxy.prompts`) → sample from them (`generate`)
+the earlier turn the agent continues, else rendered: `proxy.capture.prompts`) → sample from them (`generate`)
 → check ids, logprobs and usage → read the answer with the engine's own parsers (`derender`) →
 append the turn to the session's log → build the dialect-neutral answer. Only then does a dialect
 render it to the agent.
@@ -17,15 +17,15 @@ from typing import Any
 import msgspec
 
 from harness_rl.trace import Reply, Sampling, ToolCall, VersionSpan
+from proxy.capture.prompts import Prompt, PromptMaker
+from proxy.capture.session import Session, TurnCapture
+from proxy.capture.tito import digests
 from proxy.chat import Answer, ChatCall, SampledToken
 from proxy.config import ProxyConfig
-from proxy.engine_wire import SamplingParams, WeightVersionSpan
-from proxy.engines import sampled_by
-from proxy.prompts import Prompt, PromptMaker
 from proxy.sampling import call_seed
-from proxy.session import Session, TurnCapture
-from proxy.tito import digests
-from proxy.upstream import ChatRender, EngineClient, Generated
+from proxy.upstream.client import ChatRender, EngineClient, Generated
+from proxy.upstream.pool import sampled_by
+from proxy.upstream.wire import SamplingParams, WeightVersionSpan
 
 BUDGET_MESSAGE = "Step budget exhausted; stopping."
 _ENCODER = msgspec.json.Encoder()

@@ -22,12 +22,12 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from proxy.capture.session import Session
 from proxy.chat import ChatCall
-from proxy.engine_stream import SampleStream, TextReader
 from proxy.errors import ProxyError
 from proxy.live import AnswerHead, Finished, Opened, StreamEvent, Text, TextKind
-from proxy.pipeline import CapturePipeline, new_answer_id
-from proxy.session import Session
+from proxy.server.pipeline import CapturePipeline, new_answer_id
+from proxy.upstream.stream import SampleStream, TextReader
 
 Emit = Callable[[StreamEvent], None]
 

@@ -19,8 +19,9 @@ from typing import Annotated, Any
 import aiohttp
 import msgspec
 
-from proxy.capture import ids_text
-from proxy.engine_wire import (
+from proxy.errors import ProxyError
+from proxy.tokens import ids_text
+from proxy.upstream.wire import (
     DERENDER_DECODER,
     GENERATE_DECODER,
     MODELS_DECODER,
@@ -35,7 +36,6 @@ from proxy.engine_wire import (
     Usage,
     WeightVersionSpan,
 )
-from proxy.errors import ProxyError
 
 POLICY_VERSION_HEADER = "x-policy-version"
 VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processed_logprobs "

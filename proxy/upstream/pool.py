@@ -40,10 +40,10 @@ import msgspec
 
 from proxy.control_api import EngineHealth
 from proxy.errors import ProxyError
-from proxy.upstream import EngineClient, EngineUnreachable
+from proxy.upstream.client import EngineClient, EngineUnreachable
 
 if TYPE_CHECKING:
-    from proxy.session import Session
+    from proxy.capture.session import Session
 
 log = logging.getLogger("harness_rl.proxy")
 

@@ -32,7 +32,18 @@ import aiohttp
 import msgspec
 
 from harness_rl.trace import Reply, ToolCall
-from proxy.engine_wire import (
+from proxy.errors import ProxyError
+from proxy.live import TextKind
+from proxy.upstream.client import (
+    POLICY_VERSION_HEADER,
+    VLLM_HINT,
+    EngineClient,
+    Generated,
+    Rendered,
+    check_sample,
+    check_usage,
+)
+from proxy.upstream.wire import (
     CHUNK_DECODER,
     DERENDER_STREAM_DECODER,
     NULL,
@@ -45,17 +56,6 @@ from proxy.engine_wire import (
     StreamOptions,
     Usage,
     WeightVersionSpan,
-)
-from proxy.errors import ProxyError
-from proxy.live import TextKind
-from proxy.upstream import (
-    POLICY_VERSION_HEADER,
-    VLLM_HINT,
-    EngineClient,
-    Generated,
-    Rendered,
-    check_sample,
-    check_usage,
 )
 
 log = logging.getLogger(__name__)

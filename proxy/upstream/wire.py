@@ -16,7 +16,7 @@ NULL = msgspec.Raw(b"null")
 
 
 class RenderReply(msgspec.Struct):
-    """Prompt ids stay raw JSON: the capture graph uses their text as is (see proxy.capture)."""
+    """Prompt ids stay raw JSON: the capture graph uses their text as is (see proxy.tokens)."""
 
     token_ids: msgspec.Raw = NULL
 
