@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness_rl.learner.config import LossConfig
-from harness_rl.learner.grpo import Mismatch, group_advantages, grpo_loss, k3_kl, token_weights
+from harness_rl.learner.grpo import LossStats, Mismatch, group_advantages, grpo_loss, k3_kl, token_weights
 
 
 def test_advantages_exclude_unscorable_from_the_baseline():
@@ -47,16 +47,25 @@ def test_loss_values_gradients_and_metrics_by_hand():
     assert loss.item() == pytest.approx(0.25 * (-1.2 + 0.8 - 2.2 + 3.0), abs=1e-6)
     loss.backward()
     assert logps.grad.tolist() == pytest.approx([0.0, 0.0, -0.25 * 2.2, 0.25 * 3.0], abs=1e-6)
-    assert stats["tokens"].item() == 4
-    assert stats["ratio"].item() == pytest.approx(8.1, abs=1e-5)
-    assert stats["clip_ratio/low_mean"].item() == 1
-    assert stats["clip_ratio/high_mean"].item() == 1
-    assert stats["clip_ratio/region_mean"].item() == 2
-    assert stats["tis/truncated_frac"].item() == 1
-    assert stats["sampling/importance_sampling_ratio/min"].item() == pytest.approx(0.5)
-    assert stats["sampling/importance_sampling_ratio/max"].item() == pytest.approx(5.0)
-    assert stats["kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1, 5.0)), abs=1e-5)
+    assert stats.tokens == 4
+    assert stats.sums["ratio"] == pytest.approx(8.1, abs=1e-5)
+    assert stats.sums["clip_ratio/low_mean"] == 1
+    assert stats.sums["clip_ratio/high_mean"] == 1
+    assert stats.sums["clip_ratio/region_mean"] == 2
+    assert stats.sums["tis/truncated_frac"] == 1
+    assert stats.minima["sampling/importance_sampling_ratio/min"] == pytest.approx(0.5)
+    assert stats.maxima["sampling/importance_sampling_ratio/max"] == pytest.approx(5.0)
+    assert stats.sums["kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1, 5.0)), abs=1e-5)
 
+
+
+def test_statistics_combine_by_their_kind_not_their_name():
+    """A sum whose name says max (or an extremum whose name says neither) combines as its kind does."""
+    first = LossStats(2.0, sums={"max_length_hits": 1.0}, maxima={"peak": 3.0}, minima={"floor": 1.0})
+    second = LossStats(2.0, sums={"max_length_hits": 2.0, "new": 4.0}, maxima={"peak": 2.0}, minima={"floor": 0.5})
+    total = first + second
+    assert total == LossStats(4.0, {"max_length_hits": 3.0, "new": 4.0}, {"peak": 3.0}, {"floor": 0.5})
+    assert total.metrics() == {"max_length_hits": 0.75, "new": 1.0, "peak": 3.0, "floor": 0.5}
 
 def test_epsilon_high_is_asymmetric():
     behaviour = torch.zeros(2)
@@ -64,9 +73,9 @@ def test_epsilon_high_is_asymmetric():
     advantages = torch.tensor([1.0, 1.0])
     asymmetric = LossConfig(epsilon=0.2, epsilon_high=0.28, decoupled=False)
     _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), asymmetric)
-    assert stats["clip_ratio/high_mean"].item() == 0
+    assert stats.sums["clip_ratio/high_mean"] == 0
     _, stats = grpo_loss(logps, behaviour, advantages, torch.ones(2), LossConfig(epsilon=0.2, decoupled=False))
-    assert stats["clip_ratio/high_mean"].item() == 2
+    assert stats.sums["clip_ratio/high_mean"] == 2
 
 
 def test_k3_kl_penalty_by_hand():
@@ -76,7 +85,7 @@ def test_k3_kl_penalty_by_hand():
     loss, stats = grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), config, ref)
     expected_kl = math.exp(-0.5) + 0.5 - 1
     assert loss.item() == pytest.approx(0.1 * expected_kl, abs=1e-7)
-    assert stats["ref_kl"].item() == pytest.approx(expected_kl, abs=1e-7)
+    assert stats.sums["ref_kl"] == pytest.approx(expected_kl, abs=1e-7)
     assert k3_kl(torch.tensor([-2.0]), torch.tensor([-2.0])).item() == 0.0
     with pytest.raises(ValueError, match="reference"):
         grpo_loss(logps, logps.detach(), torch.zeros(1), torch.ones(1), LossConfig(beta=0.1, decoupled=False))
@@ -149,12 +158,12 @@ def test_clipped_surrogate_equals_trl_with_behaviour_as_old_policy(loss_type, mo
     loss.backward()
     expected.backward()
     assert torch.allclose(ours_in.grad, trl_in.grad, atol=1e-7)
-    n = stats["tokens"]
+    n = stats.tokens
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        assert (stats[name] / n).item() == pytest.approx(metrics[name], abs=1e-7)
-    assert stats["clip_ratio/region_mean"] > 0
+        assert stats.sums[name] / n == pytest.approx(metrics[name], abs=1e-7)
+    assert stats.sums["clip_ratio/region_mean"] > 0
     if beta:
-        assert (stats["ref_kl"] / n).item() == pytest.approx(metrics["kl"], abs=1e-6)
+        assert stats.sums["ref_kl"] / n == pytest.approx(metrics["kl"], abs=1e-6)
 
 
 @pytest.mark.parametrize("config", [LossConfig(epsilon=100.0, tis_cap=1.3, decoupled=False),
@@ -169,7 +178,7 @@ def test_truncated_importance_sampling_equals_trl_vllm_token_truncate(config):
     is_ratio = torch.clamp(torch.exp(torch.nan_to_num((logps - behaviour) * mask, nan=0.0)), min=None, max=cap)
     assert (is_ratio == cap).any() and (is_ratio < 1).any()
     loss, stats = ours(ours_in, behaviour, mask, advantages, config)
-    assert stats["clip_ratio/region_mean"] == 0
+    assert stats.sums["clip_ratio/region_mean"] == 0
     expected, _ = trl_loss(trl_in, mask, advantages, loss_type="bnpo", eps_low=0.2, eps_high=0.2,
                            is_ratio=is_ratio)
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
@@ -227,11 +236,11 @@ def test_token_loss_and_metrics_equal_trl_async_grpo_trainer():
     expected.backward()
     assert torch.allclose(ours_in.grad, trl_in.grad, atol=1e-7)
     for name in ("ratio", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        assert (stats[name] / n).item() == pytest.approx(metrics[name], abs=1e-6), name
-    for name in ("clip_ratio/low_min", "clip_ratio/high_max"):
-        assert stats[name].item() == pytest.approx(metrics[name], abs=1e-6), name
-    assert stats["clip_ratio/high_max"] > 0
-    assert stats["clip_ratio/region_mean"] > 0
+        assert stats.sums[name] / n == pytest.approx(metrics[name], abs=1e-6), name
+    assert stats.minima["clip_ratio/low_min"] == pytest.approx(metrics["clip_ratio/low_min"], abs=1e-6)
+    assert stats.maxima["clip_ratio/high_max"] == pytest.approx(metrics["clip_ratio/high_max"], abs=1e-6)
+    assert stats.maxima["clip_ratio/high_max"] > 0
+    assert stats.sums["clip_ratio/region_mean"] > 0
 
 
 def test_mismatch_k3_kl_and_largest_difference_by_hand():

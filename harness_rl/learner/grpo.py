@@ -29,8 +29,8 @@ token of the step, so micro-batching and gradient accumulation never change the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -114,6 +114,43 @@ class Mismatch:
                 "sampling/sampling_logp_difference/max": self.abs_diff_max}
 
 
+@dataclass(frozen=True)
+class LossStats:
+    """Statistics of trained tokens, kept apart by how micro-batches and ranks combine them: `sums` add up
+    (TRL's means once divided by `tokens`), `maxima` and `minima` keep the largest and the smallest. A new
+    statistic joins the dict of its kind; its name decides nothing."""
+
+    tokens: float = 0.0
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+    minima: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tokens: int, sums: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor],
+           minima: dict[str, torch.Tensor]) -> LossStats:
+        """From scalar tensors, read back in one transfer."""
+        tensors = [*sums.values(), *maxima.values(), *minima.values()]
+        values = iter(torch.stack(tensors).tolist())
+        return cls(float(tokens), {k: next(values) for k in sums}, {k: next(values) for k in maxima},
+                   {k: next(values) for k in minima})
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(self.tokens + other.tokens, _merge(self.sums, other.sums, lambda a, b: a + b),
+                         _merge(self.maxima, other.maxima, max), _merge(self.minima, other.minima, min))
+
+    def metrics(self) -> dict[str, float]:
+        """Means per trained token, and the extrema as they are."""
+        return {**{k: v / self.tokens for k, v in self.sums.items()}, **self.maxima, **self.minima}
+
+
+def _merge(ours: dict[str, float], theirs: dict[str, float],
+           combine: Callable[[float, float], float]) -> dict[str, float]:
+    merged = dict(ours)
+    for key, value in theirs.items():
+        merged[key] = combine(merged[key], value) if key in merged else value
+    return merged
+
+
 def grpo_loss(
     logps: torch.Tensor,
     behaviour_logps: torch.Tensor,
@@ -122,13 +159,12 @@ def grpo_loss(
     config: LossConfig,
     ref_logps: torch.Tensor | None = None,
     row_index: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ weights·ℓ over the given trained tokens (1-D tensors, one entry per token), and metric sums.
+) -> tuple[torch.Tensor, LossStats]:
+    """Σ weights·ℓ over the given trained tokens (1-D tensors, one entry per token), and their statistics.
 
-    The sums (`tokens`, `ratio`, `kl`, `clip_ratio/*_mean`, `tis/truncated_frac`, `ref_kl`) add up
-    across micro-batches; divide by `tokens` for TRL's means. Keys naming a `min` or `max` are
-    extrema: the importance ratio's, and with `row_index` (each token's row) TRL's per-sequence
-    `clip_ratio/low_min` and `clip_ratio/high_max`.
+    The sums (`ratio`, `kl`, `clip_ratio/*_mean`, `tis/truncated_frac`, `ref_kl`) add up across
+    micro-batches into TRL's means; the extrema are the importance ratio's, and with `row_index` (each
+    token's row) TRL's per-sequence `clip_ratio/low_min` and `clip_ratio/high_max`.
     """
     log_ratio = logps - behaviour_logps
     ratio = torch.exp(log_ratio.detach())
@@ -141,29 +177,28 @@ def grpo_loss(
     clipped = low | high
     clipped_value = ratio.clamp(1 - config.epsilon, 1 + config.eps_high) * advantages
     per_token = -torch.where(clipped, clipped_value, is_weight * unit * advantages)
-    stats = {
-        "tokens": torch.tensor(float(logps.numel())),
+    sums = {
         "ratio": ratio.sum(),
         "kl": ((ratio - 1) - log_ratio.detach()).sum(),
         "clip_ratio/low_mean": low.float().sum(),
         "clip_ratio/high_mean": high.float().sum(),
         "clip_ratio/region_mean": clipped.float().sum(),
-        "sampling/importance_sampling_ratio/min": ratio.min(),
-        "sampling/importance_sampling_ratio/max": ratio.max(),
     }
+    minima = {"sampling/importance_sampling_ratio/min": ratio.min()}
+    maxima = {"sampling/importance_sampling_ratio/max": ratio.max()}
     if row_index is not None:
         rows = int(row_index.max()) + 1 if row_index.numel() else 0
         per_row = torch.zeros(rows, device=ratio.device).index_add_(0, row_index, torch.ones_like(ratio))
         low_share = torch.zeros_like(per_row).index_add_(0, row_index, low.float()) / per_row
         high_share = torch.zeros_like(per_row).index_add_(0, row_index, high.float()) / per_row
-        stats["clip_ratio/low_min"] = low_share.min()
-        stats["clip_ratio/high_max"] = high_share.max()
+        minima["clip_ratio/low_min"] = low_share.min()
+        maxima["clip_ratio/high_max"] = high_share.max()
     if config.tis_cap is not None:
-        stats["tis/truncated_frac"] = ((ratio > config.tis_cap) & ~clipped).float().sum()
+        sums["tis/truncated_frac"] = ((ratio > config.tis_cap) & ~clipped).float().sum()
     if config.beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference model's logprobs")
         kl = k3_kl(logps, ref_logps)
         per_token = per_token + config.beta * kl
-        stats["ref_kl"] = kl.detach().sum()
-    return (weights * per_token).sum(), stats
+        sums["ref_kl"] = kl.detach().sum()
+    return (weights * per_token).sum(), LossStats.of(logps.numel(), sums, maxima, minima)

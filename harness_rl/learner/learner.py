@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,14 +44,27 @@ from harness_rl.learner.checkpoint import (
 )
 from harness_rl.learner.config import LearnerConfig
 from harness_rl.learner.distributed import torch_device
-from harness_rl.learner.grpo import Mismatch, grpo_loss
+from harness_rl.learner.grpo import LossStats, Mismatch, grpo_loss
 from harness_rl.learner.lora import Lora
 from harness_rl.learner.packing import MicroBatch, PackedPolicy, pack
 from harness_rl.learner.samples import Sample, build_samples
+from harness_rl.learner.step_metrics import StepTimes, StepTotals, step_metrics
 from harness_rl.learner.sync_check import PROMPT_TOKENS, EngineSampler, score
 from harness_rl.learner.weight_source import Sends, WeightSource
 from harness_rl.learner.weight_sync import NoSync, WeightSync, WeightSyncError
 from harness_rl.outcome import RolloutGroup
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One rank's part of a step: its rows, whether the step trains at all and syncs after; on rank 0 also
+    every sample of the step and the metrics of what was kept."""
+
+    share: list[Sample]
+    trains: bool
+    sync_now: bool
+    samples: list[Sample]
+    metrics: dict[str, float]
 
 
 class Learner:
@@ -181,7 +195,33 @@ class Learner:
     # What every rank does.
 
     def _step(self, groups: Sequence[RolloutGroup] | None = None, rollout_wait_s: float = 0.0) -> dict[str, float]:
-        config, started, ranks = self.config, time.perf_counter(), self.ranks
+        started = time.perf_counter()
+        plan = self._plan(groups, rollout_wait_s)
+        if not plan.trains:
+            # A skipped step: nothing to learn from (e.g. every group had zero reward variance). It still
+            # counts toward max_steps, so a converged run ends; the weights and policy version stay.
+            self.step_count += 1
+            return {**plan.metrics, "step": float(self.step_count), "policy_version": float(self.policy_version),
+                    "batch/trained_tokens_per_step": 0.0}
+        totals = self._forward_backward(pack(plan.share, self.config.token_budget))
+        fwd_bwd_s = time.perf_counter() - started
+        learning_rate = float(self.scheduler.get_last_lr()[0])
+        grad_norm = self._optimizer_step()
+        optimizer_s = time.perf_counter() - started - fwd_bwd_s
+        parts = self.ranks.gather(totals)
+        sync_s, checked = self._sync_after_step(plan) if plan.sync_now else (0.0, {})
+        if not self.ranks.leader:
+            return {}
+        times = StepTimes(fwd_bwd_s, optimizer_s, sync_s, time.perf_counter() - started)
+        return {**plan.metrics, **checked, **step_metrics(
+            sum(parts, StepTotals()), times, grad_norm=grad_norm, learning_rate=learning_rate, step=self.step_count,
+            policy_version=self.policy_version, token_budget=self.config.token_budget,
+            sync_failures=self.sync_failures)}
+
+    def _plan(self, groups: Sequence[RolloutGroup] | None, rollout_wait_s: float) -> StepPlan:
+        """Rank 0 builds the step's samples and splits their rows across the ranks by tokens; each rank gets its
+        share, whether the step trains at all, and whether it syncs after."""
+        config, ranks = self.config, self.ranks
         samples: list[Sample] = []
         metrics: dict[str, float] = {}
         shares: list[tuple[list[Sample], bool]] | None = None
@@ -199,19 +239,13 @@ class Learner:
             shares = [([samples[i] for i in share], sync_now) for share in split]
         share, sync_now = ranks.scatter(shares)
         trains = ranks.broadcast(bool(samples) if ranks.leader else None)
-        if not trains:
-            # A skipped step: nothing to learn from (e.g. every group had zero reward variance). It still
-            # counts toward max_steps, so a converged run ends; the weights and policy version stay.
-            self.step_count += 1
-            metrics.update({"step": float(self.step_count), "policy_version": float(self.policy_version),
-                            "batch/trained_tokens_per_step": 0.0})
-            return metrics
-        batches = pack(share, config.token_budget)
-        rounds = max(ranks.gather(len(batches)))
-        sums: dict[str, float] = {}
-        loss_total = 0.0
-        mismatch = Mismatch()
-        for index in range(rounds):
+        return StepPlan(share, trains, sync_now, samples, metrics)
+
+    def _forward_backward(self, batches: list[MicroBatch]) -> StepTotals:
+        """Every micro-batch's gradient accumulated (as many rounds as the busiest rank has: an idle rank forwards
+        a weightless one); the totals of this rank's real ones."""
+        totals = StepTotals()
+        for index in range(max(self.ranks.gather(len(batches)))):
             real = index < len(batches)
             batch = (batches[index] if real else _weightless_batch()).to(self.device)
             with self._autocast():
@@ -221,62 +255,35 @@ class Learner:
                     with torch.no_grad():
                         ref_logps, _ = self.ref_policy(batch, self.temperature, self.split_rows)
             loss, stats = grpo_loss(logps, batch.behaviour_logps, batch.advantages, batch.weights,
-                                    config.loss, ref_logps, batch.row_index)
+                                    self.config.loss, ref_logps, batch.row_index)
             loss.backward()
             if not real:
                 continue
             fresh = batch.versions == self.policy_version  # sampled by the weights the learner holds now
-            mismatch = mismatch + Mismatch.of(logps[fresh], batch.behaviour_logps[fresh])
-            loss_total += loss.item()
-            stats["entropy"] = entropy.sum()
-            for key, value in stats.items():
-                sums[key] = _reduce(key, sums.get(key), float(value))
-        fwd_bwd_s = time.perf_counter() - started
-        learning_rate = float(self.scheduler.get_last_lr()[0])
+            stats += LossStats(sums={"entropy": float(entropy.sum())})
+            totals += StepTotals(stats, loss.item(), Mismatch.of(logps[fresh], batch.behaviour_logps[fresh]),
+                                 (batch.n_tokens,))
+        return totals
+
+    def _optimizer_step(self) -> float:
+        """Clip, step the optimizer and the schedule, and move to the next policy version; the gradient norm."""
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        optimizer_s = time.perf_counter() - started - fwd_bwd_s
         self.step_count += 1
         self.policy_version += 1
-        parts = ranks.gather((sums, loss_total, mismatch, [b.n_tokens for b in batches]))
-        sync_s = 0.0
-        if sync_now:
-            sync_started = time.perf_counter()
-            self._sync_or_tolerate()
-            sync_s = time.perf_counter() - sync_started
-            metrics.update(self._check_sync(samples[0].row.tokens, samples[0].row.mask) if ranks.leader
-                           else self._check_sync(None, None))
-        if not ranks.leader:
-            return {}
-        sums, loss_total, mismatch, lengths = _combine(parts)
-        step_s = time.perf_counter() - started
-        forwarded = sum(lengths)
-        trained = sums["tokens"]
-        metrics.update({key: value if _is_extremum(key) else value / trained
-                        for key, value in sums.items() if key != "tokens"})
-        metrics.update(mismatch.metrics())
-        metrics.update({
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "learning_rate": learning_rate,
-            "step": float(self.step_count),
-            "policy_version": float(self.policy_version),
-            "batch/microbatches_per_step": float(len(lengths)),
-            "batch/forwarded_tokens_per_step": float(forwarded),
-            "batch/trained_tokens_per_step": trained,
-            "batch/row_fill_frac": forwarded / (len(lengths) * config.token_budget),
-            "perf/fwd_bwd_s": fwd_bwd_s,
-            "perf/optimizer_s": optimizer_s,
-            "perf/weight_sync_s": sync_s,
-            "weight_sync/consecutive_failures": float(self.sync_failures),
-            "perf/step_s": step_s,
-            "perf/forwarded_tok_s_fwd_bwd": forwarded / fwd_bwd_s,
-            "perf/forwarded_tok_s_wall_clock": forwarded / step_s,
-            "perf/trained_tok_s_wall_clock": trained / step_s,
-        })
-        return metrics
+        return grad_norm
+
+    def _sync_after_step(self, plan: StepPlan) -> tuple[float, dict[str, float]]:
+        """Push the new weights (a failure tolerated, see `_sync_or_tolerate`), then check the engine serves
+        them on a prompt just trained on; the push's seconds and the check's metrics."""
+        started = time.perf_counter()
+        self._sync_or_tolerate()
+        seconds = time.perf_counter() - started
+        if not self.ranks.leader:
+            return seconds, self._check_sync(None, None)
+        return seconds, self._check_sync(plan.samples[0].row.tokens, plan.samples[0].row.mask)
 
     def _check_sync(self, tokens: list[int] | None, mask: list[int] | None) -> dict[str, float]:
         """The engine's logprobs against ours for a few tokens it samples after a prompt just trained on (see
@@ -348,18 +355,6 @@ class Learner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
 
-def _combine(parts: list[tuple[dict[str, float], float, Mismatch, list[int]]]
-             ) -> tuple[dict[str, float], float, Mismatch, list[int]]:
-    """The step's statistic sums, loss, mismatch and micro-batch lengths from every rank's."""
-    sums: dict[str, float] = {}
-    loss, mismatch, lengths = 0.0, Mismatch(), list[int]()
-    for rank_sums, rank_loss, rank_mismatch, rank_lengths in parts:
-        for key, total in rank_sums.items():
-            sums[key] = _reduce(key, sums.get(key), total)
-        loss, mismatch, lengths = loss + rank_loss, mismatch + rank_mismatch, lengths + rank_lengths
-    return sums, loss, mismatch, lengths
-
-
 def _weightless_batch() -> MicroBatch:
     """A two-token micro-batch whose one trained token weighs 0: a rank with no rows left still takes part in
     the step's forward and backward collectives, adding nothing."""
@@ -368,19 +363,6 @@ def _weightless_batch() -> MicroBatch:
                       target_index=torch.zeros(1, dtype=torch.long), target_ids=torch.zeros(1, dtype=torch.long),
                       behaviour_logps=zero, versions=torch.full((1,), -1), advantages=zero, weights=zero,
                       row_index=torch.zeros(1, dtype=torch.long), row_lengths=[2])
-
-
-def _is_extremum(key: str) -> bool:
-    return "max" in key or "min" in key
-
-
-def _reduce(key: str, total: float | None, value: float) -> float:
-    """Combine a micro-batch's statistic into the step's (TRL's rule): extrema by max/min, the rest summed."""
-    if total is None:
-        return value
-    if _is_extremum(key):
-        return max(total, value) if "max" in key else min(total, value)
-    return total + value
 
 
 def attention_kernel(device: torch.device) -> str:
