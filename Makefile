@@ -64,6 +64,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check harness_rl proxy adapters tests benchmarks examples
 	$(BIN)/mypy
 
+# The docs/ site (mkdocs, strict: a broken link or anchor fails) into site/; phony beside the docs/ folder.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 lock: $(STAMP)
 	{ echo "# Exact versions CI installs (pip freeze of a working .venv on this machine kind). Refresh with: make lock"; \
 	  $(BIN)/pip freeze --exclude-editable | grep -v '^harness-rl' | sed 's/^torch==2.13.0+cpu/torch==2.13.0/'; } > constraints.txt

@@ -2,8 +2,9 @@
 
 The part map says which parts each part may import; the never-rules are its hard edges (the learner
 never imports the proxy, the adapters or the run level; the engine never imports the proxy; rollouts
-never import the learner; the proxy and the adapters never import torch). No import cycle among our
-modules, counting imports inside functions.
+never import the learner; the proxy and the adapters never import torch). Inside the proxy, each
+sub-package imports only its base and the sub-packages below it. No import cycle among our modules,
+counting imports inside functions.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ PARTS = {
     "harness_rl.trace": "trace",
     "harness_rl.outcome": "trace",
     "proxy": "proxy",
+    "proxy.dialects": "proxy.dialects",
+    "proxy.upstream": "proxy.upstream",
+    "proxy.capture": "proxy.capture",
+    "proxy.server": "proxy.server",
     "adapters": "adapters",
     "harness_rl.engine": "engine",
     "harness_rl.learner": "learner",
@@ -41,6 +46,10 @@ PARTS = {
     "harness_rl.__main__": "faces",
 }
 LEAVES = {"package", "settings", "flags", "background", "trace"}
+# The proxy's base (errors, chat, live, tokens, sampling, config, control API and client) and its sub-packages,
+# each above those it may import: dialects and the engine side know nothing of each other or of capture;
+# capture asks the engine side for renders; the server sits on everything.
+PROXY = {"proxy", "proxy.dialects", "proxy.upstream", "proxy.capture", "proxy.server"}
 # Which parts each part may import (itself always).
 MAY_IMPORT = {
     "package": set(),
@@ -49,13 +58,17 @@ MAY_IMPORT = {
     "background": set(),
     "trace": set(),
     "proxy": {"trace", "settings"},
+    "proxy.dialects": {"trace", "settings", "proxy"},
+    "proxy.upstream": {"trace", "settings", "proxy"},
+    "proxy.capture": {"trace", "settings", "proxy", "proxy.upstream"},
+    "proxy.server": {"trace", "settings", "proxy", "proxy.dialects", "proxy.upstream", "proxy.capture"},
     "adapters": {"trace", "settings"},
     "engine": {"package", "trace", "background"},
     "learner": LEAVES | {"engine"},
-    "tools": LEAVES | {"proxy", "adapters", "engine", "learner"},
-    "run": LEAVES | {"proxy", "adapters", "engine", "learner", "tools"},
-    "demo": LEAVES | {"proxy", "adapters", "engine", "learner", "tools", "run"},
-    "faces": LEAVES | {"proxy", "adapters", "engine", "learner", "tools", "run", "demo"},
+    "tools": LEAVES | PROXY | {"adapters", "engine", "learner"},
+    "run": LEAVES | PROXY | {"adapters", "engine", "learner", "tools"},
+    "demo": LEAVES | PROXY | {"adapters", "engine", "learner", "tools", "run"},
+    "faces": LEAVES | PROXY | {"adapters", "engine", "learner", "tools", "run", "demo"},
 }
 # Hard edges, stated once more so a change to the table above cannot quietly open them.
 NEVER = {
@@ -185,6 +198,33 @@ def test_a_function_level_import_that_crosses_a_border_is_found(tmp_path: Path) 
         "harness_rl/learner/step.py:2 imports proxy.client (never: harness_rl.learner -> proxy, adapters, "
         "harness_rl.run, harness_rl.demo)",
         "proxy/client.py:2 imports torch (never: proxy -> torch, transformers, adapters, harness_rl.engine)",
+    ]
+
+
+def test_an_import_up_the_proxy_sub_packages_is_found(tmp_path: Path) -> None:
+    files = {
+        "proxy/__init__.py": "",
+        "proxy/chat.py": "def late():\n    from proxy.dialects import gemini\n    return gemini\n",
+        "proxy/dialects/__init__.py": "",
+        "proxy/dialects/gemini.py": "from proxy.upstream.client import EngineClient\n",
+        "proxy/upstream/__init__.py": "",
+        "proxy/upstream/client.py": "from proxy.capture.session import Session\n",
+        "proxy/capture/__init__.py": "",
+        "proxy/capture/session.py": "from proxy.upstream.client import EngineClient\nfrom proxy.server import app\n",
+        "proxy/server/__init__.py": "",
+        "proxy/server/app.py": "from proxy.capture.session import Session\nfrom proxy.dialects import gemini\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    crossings, _ = find_crossings(tmp_path)
+    assert crossings == [
+        "proxy/capture/session.py:2 imports proxy.server (proxy.capture may not import proxy.server)",
+        "proxy/capture/session.py:2 imports proxy.server.app (proxy.capture may not import proxy.server)",
+        "proxy/chat.py:2 imports proxy.dialects (proxy may not import proxy.dialects)",
+        "proxy/chat.py:2 imports proxy.dialects.gemini (proxy may not import proxy.dialects)",
+        "proxy/dialects/gemini.py:1 imports proxy.upstream.client (proxy.dialects may not import proxy.upstream)",
+        "proxy/upstream/client.py:1 imports proxy.capture.session (proxy.upstream may not import proxy.capture)",
     ]
 
 

@@ -33,7 +33,7 @@ import asyncio
 import contextvars
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -41,9 +41,6 @@ import msgspec
 from proxy.control_api import EngineHealth
 from proxy.errors import ProxyError
 from proxy.upstream.client import EngineClient, EngineUnreachable
-
-if TYPE_CHECKING:
-    from proxy.capture.session import Session
 
 log = logging.getLogger("harness_rl.proxy")
 
@@ -53,6 +50,16 @@ PROBE_TIMEOUT_S = 5.0
 PROBE_FAILURES = 2  # failed health probes in a row that take a serving engine out
 NO_ENGINE_RETRY_AFTER_S = "5"
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: which data-parallel copy samples the request
+
+
+class Session(Protocol):
+    """What the pool needs of a capture session (`capture.session.Session`): the engine side sits below capture."""
+
+    closed: bool
+    deleted: bool
+
+    @property
+    def id(self) -> str: ...
 
 
 @dataclass
