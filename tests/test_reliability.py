@@ -41,7 +41,7 @@ from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.server.app import RunningProxy
-from proxy.upstream.client import check_sample
+from proxy.upstream.checks import check_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = {"Authorization": "Bearer admin"}

@@ -10,17 +10,16 @@ parsers). A sample is refused unless its ids, logprobs and usage describe one an
 from __future__ import annotations
 
 import asyncio
-import functools
-import math
 import time
 from email.utils import parsedate_to_datetime
-from typing import Annotated, Any
+from typing import Any
 
 import aiohttp
 import msgspec
 
 from proxy.errors import ProxyError
 from proxy.tokens import ids_text
+from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage, ids_below
 from proxy.upstream.wire import (
     DERENDER_DECODER,
     GENERATE_DECODER,
@@ -33,13 +32,10 @@ from proxy.upstream.wire import (
     GenerateRequest,
     GenerateResponse,
     SamplingParams,
-    Usage,
     WeightVersionSpan,
 )
 
 POLICY_VERSION_HEADER = "x-policy-version"
-VLLM_HINT = ("start vLLM 0.32+ with `--enable-scale-out --logprobs-mode processed_logprobs "
-             "--return-tokens-as-token-ids --generation-config vllm` (`harness-rl serve vllm` does)")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
 # A one-message conversation. Two replies to it the template renders alike but for their text: what follows
@@ -153,7 +149,7 @@ class EngineClient:
         try:
             ids = bytes(RENDER_DECODER.decode(data).token_ids)
             if self.vocab_size is not None:
-                _ids_below(self.vocab_size).decode(ids)
+                ids_below(self.vocab_size).decode(ids)
         except msgspec.ValidationError:
             raise ProxyError(502, f"the engine at {self.url} rendered a prompt id outside its {self.vocab_size}-token "
                                   "vocabulary") from None
@@ -366,34 +362,3 @@ def _error_message(data: bytes) -> str:
         if "detail" in decoded:
             return str(decoded["detail"])
     return str(decoded)[:500]
-
-
-def check_usage(url: str, usage: Usage, prompt_tokens: int, sampled: int) -> None:
-    if usage.completion_tokens != sampled or usage.prompt_tokens != prompt_tokens:
-        raise ProxyError(502, f"the engine at {url} reported usage {usage.prompt_tokens}+{usage.completion_tokens} "
-                              f"tokens for a {prompt_tokens}-token prompt and {sampled} sampled ids")
-
-
-def check_sample(url: str, ids: list[int], logprob_ids: list[int], logps: list[float],
-                 vocab_size: int | None = None) -> None:
-    """Refuse a sample whose ids and logprobs do not describe one and the same sample of a distribution
-    (C-speed scans: ids inside the vocabulary when its size is known, logprobs finite and at most 0)."""
-    if len(logps) != len(ids):
-        raise ProxyError(502, f"the engine at {url} returned {len(logps)} logprobs for {len(ids)} sampled tokens")
-    if logprob_ids != ids:
-        k = next(k for k, (a, e) in enumerate(zip(logprob_ids, ids, strict=True)) if a != e)
-        raise ProxyError(502, f"the engine at {url} returned a logprob for token {logprob_ids[k]} at position {k} "
-                              f"of sampled id {ids[k]}; {VLLM_HINT}")
-    if ids and min(ids) < 0:
-        raise ProxyError(502, f"the engine at {url} returned a negative token id {min(ids)}")
-    if ids and vocab_size is not None and max(ids) >= vocab_size:
-        raise ProxyError(502, f"the engine at {url} returned token id {max(ids)}, outside its {vocab_size}-token "
-                              "vocabulary")
-    bad = next((lp for lp in logps if not math.isfinite(lp) or lp > 0), None)
-    if bad is not None:
-        raise ProxyError(502, f"the engine at {url} returned a logprob {bad!r} that is not finite and <= 0")
-
-
-@functools.cache
-def _ids_below(vocab_size: int) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])

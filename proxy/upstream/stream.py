@@ -34,15 +34,8 @@ import msgspec
 from harness_rl.trace import Reply, ToolCall
 from proxy.errors import ProxyError
 from proxy.live import TextKind
-from proxy.upstream.client import (
-    POLICY_VERSION_HEADER,
-    VLLM_HINT,
-    EngineClient,
-    Generated,
-    Rendered,
-    check_sample,
-    check_usage,
-)
+from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage
+from proxy.upstream.client import POLICY_VERSION_HEADER, EngineClient, Generated, Rendered
 from proxy.upstream.wire import (
     CHUNK_DECODER,
     DERENDER_STREAM_DECODER,
