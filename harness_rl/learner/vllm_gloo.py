@@ -132,6 +132,9 @@ class GlooTrainerInitInfo(NCCLTrainerInitInfo):
     backend: ClassVar[str] = BACKEND
 
 
+TRAINER_INIT_INFO = GlooTrainerInitInfo  # what the learner joins with (`vllm_trainer.start_trainer`)
+
+
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     """The trainer's side: vLLM's NCCL trainer engine (its `send_weights` round) broadcasting over gloo."""
 

@@ -4,6 +4,7 @@ made vLLM importable. It imports exactly the names `vllm_transfer.VLLM_TRAINER_A
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -59,11 +60,10 @@ def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient,
                   dtype: torch.dtype | None) -> TrainerWeightTransferEngine:
     """vLLM's trainer engine for `init.backend`, joined to vLLM's workers (this blocks in the rendezvous)."""
     info_type: type[NCCLTrainerInitInfo] = NCCLTrainerInitInfo
-    if init.backend == "gloo":
-        from harness_rl.learner import vllm_gloo
-
-        vllm_gloo.register()
-        info_type = vllm_gloo.GlooTrainerInitInfo
+    if init.plugin is not None:  # a backend of ours, added to vLLM's factories (`gloo`)
+        module = importlib.import_module(init.plugin)
+        module.register()
+        info_type = module.TRAINER_INIT_INFO
     packing = {key: value for key, value in (("packed_buffer_size_bytes", init.packed_buffer_size_bytes),
                                              ("packed_num_buffers", init.packed_num_buffers)) if value is not None}
     info = info_type(master_address=init.master_address, master_port=init.master_port, world_size=init.world_size,

