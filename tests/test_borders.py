@@ -26,6 +26,8 @@ PARTS = {
     "harness_rl.settings": "settings",
     "harness_rl.flags": "flags",
     "harness_rl.background": "background",
+    "harness_rl.wire": "wire",
+    "harness_rl.cpu_threads": "cpu_threads",
     "harness_rl.trace": "trace",
     "harness_rl.outcome": "trace",
     "proxy": "proxy",
@@ -45,7 +47,7 @@ PARTS = {
     "harness_rl.cli": "faces",
     "harness_rl.__main__": "faces",
 }
-LEAVES = {"package", "settings", "flags", "background", "trace"}
+LEAVES = {"package", "settings", "flags", "background", "trace", "wire", "cpu_threads"}
 # The proxy's base (errors, chat, live, tokens, sampling, config, control API and client) and its sub-packages,
 # each above those it may import: dialects and the engine side know nothing of each other or of capture;
 # capture asks the engine side for renders; the server sits on everything.
@@ -57,13 +59,15 @@ MAY_IMPORT = {
     "flags": set(),
     "background": set(),
     "trace": set(),
-    "proxy": {"trace", "settings"},
-    "proxy.dialects": {"trace", "settings", "proxy"},
-    "proxy.upstream": {"trace", "settings", "proxy"},
-    "proxy.capture": {"trace", "settings", "proxy", "proxy.upstream"},
-    "proxy.server": {"trace", "settings", "proxy", "proxy.dialects", "proxy.upstream", "proxy.capture"},
+    "wire": set(),
+    "cpu_threads": set(),
+    "proxy": {"trace", "settings", "wire"},
+    "proxy.dialects": {"trace", "settings", "wire", "proxy"},
+    "proxy.upstream": {"trace", "settings", "wire", "proxy"},
+    "proxy.capture": {"trace", "settings", "wire", "proxy", "proxy.upstream"},
+    "proxy.server": {"trace", "settings", "wire", "proxy", "proxy.dialects", "proxy.upstream", "proxy.capture"},
     "adapters": {"trace", "settings"},
-    "engine": {"package", "trace", "background"},
+    "engine": {"package", "trace", "background", "wire", "cpu_threads"},
     "learner": LEAVES | {"engine"},
     "tools": LEAVES | PROXY | {"adapters", "engine", "learner"},
     "run": LEAVES | PROXY | {"adapters", "engine", "learner", "tools"},
@@ -247,6 +251,7 @@ def test_every_module_belongs_to_a_part() -> None:
 @pytest.mark.parametrize("statement", [
     "import harness_rl.trace",
     "import harness_rl.outcome",
+    "import harness_rl.wire, harness_rl.cpu_threads",
     "import proxy",
     "import adapters",
     "import harness_rl.tools.vllm_server",

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 from harness_rl.commands.help_layout import PROXY_GROUPS
 from harness_rl.flags import Flag, add_flag_groups, flags_of
 from harness_rl.settings import ConfigError
+from harness_rl.wire import ADMIN_TOKEN_ENV
 from proxy.config import ProxyConfig
 
 if TYPE_CHECKING:
     from proxy.server.app import RunningProxy
 
 DEFAULT_PORT = 8100
-ADMIN_TOKEN_ENV = "HARNESS_RL_ADMIN_TOKEN"
 WAIT_LINE_S = 30.0  # how often the wait for the engine is said
 ASK_AGAIN_S = 2.0  # how often an engine that does not answer yet is asked again
 _NAMES = {"--proxy-host": "--host", "--proxy-port": "--port"}

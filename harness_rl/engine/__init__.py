@@ -14,7 +14,7 @@ versions as `weight_versions` spans), `POST /v1/chat/completions/derender` (whol
 `POST /update_weights_from_disk {"path", "version"}`, `POST /update_weights_from_bytes?version=N`
 (raw safetensors body); with forced completions enabled, `POST|GET|DELETE /forced_completions`.
 
-Every response carries `x-policy-version: <int>` (`POLICY_VERSION_HEADER`): for a generation, the
+Every response carries `x-policy-version: <int>` (`harness_rl.wire.POLICY_VERSION_HEADER`): for a generation, the
 weight version it started under; otherwise the current version. Version strings in `weight_versions`
 and `/weight_info` are these integers ("0" at start; vLLM starts at "default").
 
@@ -27,12 +27,10 @@ from harness_rl.engine.app import create_app
 from harness_rl.engine.engine import Engine, EngineClosed
 from harness_rl.engine.generation import GenerationUpdate, SampledToken
 from harness_rl.engine.sampling import SamplingParams
-from harness_rl.engine.server_context import POLICY_VERSION_HEADER
 from harness_rl.engine.serving import ServerHandle, serve_in_thread
 from harness_rl.engine.tiny_model import build_tiny_model, default_cache_dir
 
 __all__ = [
-    "POLICY_VERSION_HEADER",
     "Engine",
     "EngineClosed",
     "GenerationUpdate",

@@ -21,7 +21,8 @@ from harness_rl.engine.generate_route import abort_requests, generate
 from harness_rl.engine.protocol import DetokenizeRequest, ForcedScript, TokenizeRequest, decode_body
 from harness_rl.engine.render_route import render_chat_completion
 from harness_rl.engine.request_params import check_model
-from harness_rl.engine.server_context import CONTEXT, POLICY_VERSION_HEADER, ServerContext
+from harness_rl.engine.server_context import CONTEXT, ServerContext
+from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 
 MAX_BODY_BYTES = 8 * 1024**3
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def create_app(
     app.router.add_post("/inference/v1/abort_requests", abort_requests)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get(MODELS_ROUTE, models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     add_control_routes(app)

@@ -11,7 +11,6 @@ from harness_rl.engine.hermes import HermesStream, parse_tool_calls
 from harness_rl.engine.protocol import ChatCompletionRequest, decode_body
 from harness_rl.engine.server_context import (
     CONTEXT,
-    POLICY_VERSION_HEADER,
     SYSTEM_FINGERPRINT,
     ServerContext,
     collect,
@@ -21,6 +20,7 @@ from harness_rl.engine.server_context import (
     send_event,
     usage,
 )
+from harness_rl.wire import POLICY_VERSION_HEADER
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -17,7 +17,6 @@ from harness_rl.engine.request_params import check_model, sampling_params
 from harness_rl.engine.server_context import (
     CONTEXT,
     LOGPROB_FLOOR,
-    POLICY_VERSION_HEADER,
     SYSTEM_FINGERPRINT,
     ServerContext,
     collect,
@@ -27,6 +26,7 @@ from harness_rl.engine.server_context import (
     send_event,
     usage,
 )
+from harness_rl.wire import POLICY_VERSION_HEADER
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, cast
 import torch
 from transformers import DynamicCache
 
+from harness_rl.cpu_threads import set_threads
 from harness_rl.engine.batch import RunningBatch, cache_kv
 from harness_rl.engine.generation import (
     Generation,
@@ -39,26 +40,11 @@ from harness_rl.engine.sampling import (
 PauseMode = Literal["wait", "keep", "abort"]
 PAUSE_MODES: tuple[str, ...] = ("wait", "keep", "abort")
 DEFAULT_MAX_MODEL_LEN = 65536
-SMALL_MODEL_PARAMS = 50_000_000
 # After a prefix-cache hit the suffix attends to the cache through an explicit mask (no fused causal
 # kernel), so it runs in chunks to bound that mask, and only when the hit covers half the prompt.
 PREFILL_CHUNK = 2048
 # Prompt logprobs need every position's logits: prefill in chunks of at most this many logits.
 PROMPT_LOGITS_BUDGET = 1 << 24
-
-
-def set_threads(model: torch.nn.Module, num_threads: int | None = None) -> None:
-    """Set torch's intra-op threads (process-wide) for running `model` on the CPU.
-
-    Left at None, models under `SMALL_MODEL_PARAMS` get 1: their kernels are too small to gain from
-    threads, and multi-threaded kernels run ~10-20x slower when other processes share the cores
-    (measured on the 2-core CI box, for generation and for training steps alike). Larger models keep
-    torch's default.
-    """
-    if num_threads is None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
-        num_threads = 1
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
 
 
 class EngineClosed(RuntimeError):
@@ -124,7 +110,7 @@ class Engine:
     ) -> "Engine":
         """Load a local causal-LM directory, or `"tiny"`: the offline tiny model, built if needed.
 
-        `num_threads` sets torch's intra-op threads, which is process-wide (`set_threads`).
+        `num_threads` sets torch's intra-op threads, which is process-wide (`cpu_threads.set_threads`).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -25,7 +25,6 @@ from harness_rl.engine.request_params import check_model, sampling_params
 from harness_rl.engine.server_context import (
     CONTEXT,
     LOGPROB_FLOOR,
-    POLICY_VERSION_HEADER,
     ServerContext,
     collect,
     open_sse,
@@ -33,6 +32,7 @@ from harness_rl.engine.server_context import (
     usage,
 )
 from harness_rl.engine.token_protocol import AbortBody, GenerateBody
+from harness_rl.wire import POLICY_VERSION_HEADER
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

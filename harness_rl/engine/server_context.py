@@ -14,8 +14,8 @@ from harness_rl import __version__
 from harness_rl.engine.engine import Engine
 from harness_rl.engine.forced import ForcedCompletions
 from harness_rl.engine.generation import GenerationUpdate, PromptLogprob, SampledToken
+from harness_rl.wire import POLICY_VERSION_HEADER
 
-POLICY_VERSION_HEADER = "x-policy-version"
 SYSTEM_FINGERPRINT = f"harness-rl-{__version__}"
 LOGPROB_FLOOR = -9999.0
 

@@ -47,10 +47,10 @@ import msgspec
 
 from adapters.tasks import Task, load_tasks
 from harness_rl.background import BackgroundLoop
-from harness_rl.commands.serve_proxy import ADMIN_TOKEN_ENV
 from harness_rl.outcome import RolloutOutcome
 from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
 from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.wire import ADMIN_TOKEN_ENV
 from proxy.client import ProxyClient
 from proxy.config import ProxyConfig
 from proxy.sampling import SamplingPolicy

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from harness_rl.engine.engine import set_threads
+from harness_rl.cpu_threads import set_threads
 from harness_rl.learner.config import SftConfig
 from harness_rl.learner.distributed import torch_device
 from harness_rl.learner.learner import attention_kernel

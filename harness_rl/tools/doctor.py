@@ -27,7 +27,8 @@ import aiohttp
 import msgspec
 
 from harness_rl.learner.sync_backends import AUTO, BACKENDS, CONTROL_ROUTES, SyncBackend, named
-from harness_rl.tools.engine_contact import MODELS_ROUTE, POLICY_VERSION_HEADER, no_engine
+from harness_rl.tools.engine_contact import no_engine
+from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 
 MIN_AGENT_CONTEXT = 65536  # what `doctor` recommends: long agent sessions stay one chain
 MIN_RUN_CONTEXT = 16384  # what `train` requires: the agent CLIs' own first prompts reach ~15k tokens

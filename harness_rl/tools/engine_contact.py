@@ -11,8 +11,7 @@ import urllib.request
 
 import msgspec
 
-POLICY_VERSION_HEADER = "x-policy-version"
-MODELS_ROUTE = "/v1/models"  # what every engine answers (vLLM's and ours) and nothing else does
+from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 
 
 class NotAnEngine(RuntimeError):
