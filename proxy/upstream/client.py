@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
 from proxy.tokens import ids_text
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage, ids_below
@@ -35,7 +36,6 @@ from proxy.upstream.wire import (
     WeightVersionSpan,
 )
 
-POLICY_VERSION_HEADER = "x-policy-version"
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
 # A one-message conversation. Two replies to it the template renders alike but for their text: what follows
@@ -129,7 +129,7 @@ class EngineClient:
         """
         if not self._described:
             try:
-                status, body, _ = await self._send("GET", "/v1/models", None)
+                status, body, _ = await self._send("GET", MODELS_ROUTE, None)
                 cards = MODELS_DECODER.decode(body).data if status == 200 else []
             except (ProxyError, msgspec.DecodeError):
                 return self.model or None

@@ -32,10 +32,11 @@ import aiohttp
 import msgspec
 
 from harness_rl.trace import Reply, ToolCall
+from harness_rl.wire import POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
 from proxy.live import TextKind
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage
-from proxy.upstream.client import POLICY_VERSION_HEADER, EngineClient, Generated, Rendered
+from proxy.upstream.client import EngineClient, Generated, Rendered
 from proxy.upstream.wire import (
     CHUNK_DECODER,
     DERENDER_STREAM_DECODER,
