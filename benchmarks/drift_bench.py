@@ -14,7 +14,7 @@ off (every prompt rendered from the messages). Printed per mode, from the captur
 - untrained sampled tokens: sampled tokens no learner row will train;
 - forwarded learner tokens (the learner's rows) vs a perfect chain (one row per conversation).
 
-    python benchmarks/drift_bench.py [--conversations 24] [--turns 5] [--engine URL]
+    python benchmarks/drift_bench.py [--conversations 24] [--turns 5] [--engine URL] [--quick]
 
 `--engine URL` drives an engine already serving (real vLLM with `harness-rl serve vllm`) instead:
 replies are then whatever its model samples, tool calls included only where it writes them.
@@ -33,6 +33,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+from conventions import load_average, parse_args
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model, serve_in_thread
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[bool, dict[str, float]]:
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--engine", help="an engine already serving (e.g. real vLLM); default: the embedded one")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, {"conversations": 3, "turns": 2}, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="drift-bench-"))
     started = time.monotonic()
@@ -152,10 +153,8 @@ def main(argv: list[str] | None = None) -> dict[bool, dict[str, float]]:
                    for tito in (True, False)}
     else:
         results = run_embedded(work, args.conversations, args.turns)
-    load = os.getloadavg()
     print(f"{args.conversations} conversations x {args.turns} turns ({', '.join(KINDS)}), 4 at once, "
-          f"{args.engine or 'embedded engine'}, tiny model; {time.monotonic() - started:.0f}s; "
-          f"load average {load[0]:.1f} {load[1]:.1f}")
+          f"{args.engine or 'embedded engine'}, tiny model; {time.monotonic() - started:.0f}s; {load_average()}")
     print(f"{'':<22}{'chained transitions':>22}{'mistaken discards':>20}{'untrained sampled':>20}"
           f"{'forwarded / perfect':>22}{'tool calls':>12}")
     for tito, r in results.items():

@@ -3,7 +3,7 @@
 1. 8 concurrent chat requests vs the same 8 sent one after another, over HTTP (tokens/s).
 2. Our per-token cost for one request (in-process and over HTTP) vs `model.generate` directly.
 
-    .venv/bin/python benchmarks/engine_bench.py [--tokens 128] [--model tiny|DIR]
+    .venv/bin/python benchmarks/engine_bench.py [--tokens 128] [--model tiny|DIR] [--quick]
 """
 
 import argparse
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+from conventions import load_average, parse_args
 
 from harness_rl.engine import Engine, SamplingParams, serve_in_thread
 
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are printed")
     parser.add_argument("--cache-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = parse_args(parser, {"tokens": 16, "streams": 2, "repeats": 1})
 
     engine = Engine.from_pretrained(args.model, cache_dir=args.cache_dir)
     prompt = engine.tokenizer.apply_chat_template(
@@ -107,7 +108,7 @@ def main() -> None:
 
     print(
         f"model {args.model}, {args.tokens} tokens per request, torch threads {torch.get_num_threads()}, "
-        f"median of {args.rounds} interleaved rounds"
+        f"median of {args.rounds} interleaved rounds, {load_average()}"
     )
     print(f"{'':36}{'tokens/s':>12}")
     print(f"{f'{args.streams} sequential HTTP requests':36}{sequential:12.0f}")

@@ -10,13 +10,12 @@ own loop thread), measured side by side in one run:
              call of the same round
 
 Medians over the rounds, with the machine's load average beside them. Run:
-`.venv/bin/python benchmarks/engines_bench.py [--rounds 15 --calls 40]`.
+`.venv/bin/python benchmarks/engines_bench.py [--rounds 15 --calls 40] [--quick]`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+from conventions import load_average, parse_args
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.run.stack import serve_proxy
@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=40)
-    args = parser.parse_args()
+    args = parse_args(parser, {"rounds": 3, "calls": 8})
     fakes = [start_fake() for _ in range(2)]
     one_ms, two_ms, failover_ms, round_ms = [], [], [], []
     try:
@@ -97,14 +97,14 @@ def main() -> None:
         for process, _ in fakes:
             process.kill()
             process.wait()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     routing = statistics.median(t / o for t, o in zip(two_ms, one_ms, strict=True))
     failover = statistics.median(f / r for f, r in zip(failover_ms, round_ms, strict=True))
-    print(f"load average {load}; {args.rounds} rounds of {args.calls} calls, medians")
+    print(f"{load_average()}; {args.rounds} rounds of {args.calls} calls, medians")
     print(f"routing   one engine {statistics.median(one_ms):.2f} ms, two engines {statistics.median(two_ms):.2f} ms"
           f" per call: x{routing:.2f}")
     print(f"failover  first call after its engine was killed {statistics.median(failover_ms):.2f} ms, a call before "
           f"{statistics.median(round_ms):.2f} ms: x{failover:.2f}")
+
 
 if __name__ == "__main__":
     main()

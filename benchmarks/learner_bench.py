@@ -10,7 +10,7 @@
    each group it trains on was sampled `lag` versions earlier; clipping against the behaviour policy
    (TRL's async loss) vs decoupled PPO, mean reward of the last groups.
 
-    .venv/bin/python benchmarks/learner_bench.py [--quick]
+    .venv/bin/python benchmarks/learner_bench.py [--steps 3] [--staleness-steps 40] [--quick]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import random
 import tempfile
 import time
 from pathlib import Path
+
+from conventions import load_average, parse_args
 
 from harness_rl.learner.packing import plan_bins
 from harness_rl.learner.rows import trace_rows
@@ -56,10 +58,10 @@ def packing_report(rng: random.Random, rows: int, budget: int, batch_rows: int) 
           f"{'ok' if packed >= 0.98 else 'MISSED'})")
 
 
-def merging_report(rng: random.Random) -> None:
+def merging_report(rng: random.Random, lengths: list[int]) -> None:
     print("2. forwarded tokens per rollout (system 2000, reply ~150, tool output ~400 tokens per turn)")
     print(f"   {'turns':>5} {'merged':>10} {'per turn':>12} {'ratio':>7} {'rows':>5} {'trained':>8}")
-    for turns in (10, 30, 60):
+    for turns in lengths:
         seed = rng.randrange(1 << 30)
         merged = trace_rows(agent_trace(random.Random(seed), turns, system=2000, reply=150, tool=400, vocab=50000))
         split = trace_rows(agent_trace(random.Random(seed), turns, system=2000, reply=150, tool=400, vocab=50000,
@@ -69,14 +71,12 @@ def merging_report(rng: random.Random) -> None:
         print(f"   {turns:>5} {m:>10} {s:>12} {s / m:>6.1f}x {len(merged):>5} {sum(r.n_trained for r in merged):>8}")
 
 
-def throughput_report(quick: bool) -> None:
+def throughput_report(turns: int, steps: int) -> None:
     from harness_rl.engine import build_tiny_model
+    from harness_rl.learner.config import LearnerConfig
     from harness_rl.learner.learner import Learner
-    from harness_rl.run.config import LearnerConfig
-    from harness_rl.run.metrics import MetricsLogger
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-    turns, steps = (8, 2) if quick else (20, 3)
 
     def groups(linked: bool, step: int) -> list[RolloutGroup]:
         rng = random.Random(step)
@@ -90,8 +90,7 @@ def throughput_report(quick: bool) -> None:
     print(f"3. learner on the tiny model (CPU, {turns}-turn rollouts, group of 4, 8192-token micro-batches)")
     results = {}
     for linked in (True, False):
-        learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, token_budget=8192),
-                          metrics=MetricsLogger(None, console=False))
+        learner = Learner(model_dir, LearnerConfig(learning_rate=1e-5, token_budget=8192))
         learner.step(groups(linked, 0))  # warm-up
         started, forwarded, trained = time.perf_counter(), 0.0, 0.0
         for step in range(1, steps + 1):
@@ -106,7 +105,7 @@ def throughput_report(quick: bool) -> None:
     print(f"   same trained tokens, step time: row per turn / merged = {results[False] / results[True]:.1f}x")
 
 
-def staleness_report(quick: bool) -> None:
+def staleness_report(steps: int) -> None:
     import asyncio
     import collections
 
@@ -114,17 +113,15 @@ def staleness_report(quick: bool) -> None:
     from transformers import AutoTokenizer
 
     from harness_rl.engine import Engine, SamplingParams, build_tiny_model
+    from harness_rl.learner.config import LearnerConfig, LossConfig
     from harness_rl.learner.learner import Learner
     from harness_rl.learner.weight_sync import InProcessSync
-    from harness_rl.run.config import LearnerConfig, LossConfig
-    from harness_rl.run.metrics import MetricsLogger
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     digits = torch.tensor([tokenizer.decode([i]).strip().isdigit() for i in range(len(tokenizer))])
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Count."}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
-    steps = 24 if quick else 40
 
     async def group(engine: Engine, step: int) -> RolloutGroup:
         async def one(seed: int) -> RolloutOutcome:
@@ -145,8 +142,7 @@ def staleness_report(quick: bool) -> None:
     async def run(lag: int, decoupled: bool) -> float:
         engine = Engine.from_pretrained(model_dir)
         settings = LearnerConfig(learning_rate=1e-2, max_staleness=None, loss=LossConfig(decoupled=decoupled))
-        learner = Learner(model_dir, settings, weight_sync=InProcessSync(engine),
-                          metrics=MetricsLogger(None, console=False))
+        learner = Learner(model_dir, settings, weight_sync=InProcessSync(engine))
         pipeline: collections.deque[RolloutGroup] = collections.deque()
         sampled = []
         for step in range(steps + lag):
@@ -155,7 +151,7 @@ def staleness_report(quick: bool) -> None:
             if len(pipeline) > lag:
                 await asyncio.to_thread(learner.step, [pipeline.popleft()])
         engine.close()
-        return sum(sampled[-5:]) / 5
+        return sum(sampled[-5:]) / len(sampled[-5:])
 
     print(f"4. learning from stale samples (tiny model, digit reward, lr 1e-2, {steps} steps, "
           "mean reward of the last 5 groups sampled)")
@@ -167,13 +163,18 @@ def staleness_report(quick: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller throughput run")
-    args = parser.parse_args()
+    parser.add_argument("--merge-turns", default="10,30,60", help="rollout lengths whose rows are counted")
+    parser.add_argument("--turns", type=int, default=20, help="turns per rollout in the throughput run")
+    parser.add_argument("--steps", type=int, default=3, help="timed learner steps per row layout")
+    parser.add_argument("--staleness-steps", type=int, default=40, help="learner steps per staleness run")
+    args = parse_args(parser, {"merge_turns": "10,30", "turns": 2, "steps": 1, "staleness_steps": 3})
+    print(load_average())
     rng = random.Random(0)
     packing_report(rng, rows=512, budget=32768, batch_rows=8)
-    merging_report(rng)
-    throughput_report(args.quick)
-    staleness_report(args.quick)
+    merging_report(rng, [int(n) for n in args.merge_turns.split(",")])
+    throughput_report(args.turns, args.steps)
+    staleness_report(args.staleness_steps)
+    print(load_average())
 
 
 if __name__ == "__main__":

@@ -7,14 +7,13 @@ over the repeats, with the machine's load average:
 - first text: when the first content bytes reach the agent, as a share of the whole answer's time;
 - whole answer: time from the request to the last byte.
 
-    python benchmarks/stream_bench.py [--repeats 9] [--tokens 256]
+    python benchmarks/stream_bench.py [--repeats 9] [--tokens 256] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -22,14 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from conventions import load_average, parse_args
 
 from harness_rl.engine import Engine, build_tiny_model, serve_in_thread
 from harness_rl.run.stack import serve_proxy
 from proxy.config import ProxyConfig
-
-
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def ask(session: dict[str, Any], tokens: int, stream: bool) -> tuple[float, float]:
@@ -55,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--tokens", type=int, default=256)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, {"repeats": 3, "tokens": 32}, argv)
     text = " ".join(f"word{i}" for i in range(args.tokens * 2))
     with tempfile.TemporaryDirectory() as work:
         engine = Engine.from_pretrained(build_tiny_model(Path(work) / "tiny", seed=0), served_model_name="tiny")
@@ -64,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             session = httpx.post(f"{proxy.url}/sessions", headers={"Authorization": f"Bearer {proxy.admin_token}"},
                                  json={}).json()
             results: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-            print(load())
+            print(load_average())
             for _ in range(args.repeats + 1):  # the first round warms up and is not counted
                 for stream in (True, False):
                     httpx.post(f"{server.url}/forced_completions", json={"tools": [], "no_tools": [text]})
@@ -72,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             for stream in (True, False):
                 results[stream] = results[stream][1:]
         engine.close()
-    print(load())
+    print(load_average())
     out = {}
     print(f"{args.tokens}-token answers, medians of {args.repeats}: streamed / whole")
     for stream in (True, False):
