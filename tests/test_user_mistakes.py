@@ -144,6 +144,8 @@ MISTAKES: dict[str, Mistake] = {
     "sft without its settings": Mistake("sft", 2, "--traces, --model, --output-dir: required"),
     "sft traces missing": Mistake("sft --traces nosuch --model tiny --output-dir out", 2,
                                   "no trace files match 'nosuch'"),
+    "sft output a file": Mistake("sft --traces nosuch --model tiny --output-dir afile", 2,
+                                 "--output-dir afile is a file: name a new directory"),
     "traces action unknown": Mistake("traces inspect x", 2, "invalid choice: 'inspect'"),
     # tasks
     "tasks folder missing": Mistake("train --tasks nosuch", 2, "--tasks: no task directory 'nosuch'"),

@@ -151,6 +151,8 @@ def sft(config: SftConfig, progress: bool = True) -> SftSummary:
     started = time.perf_counter()
     model_dir = model_path(config.model)
     output_dir = Path(config.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise SftError(f"--output-dir {output_dir} is a file: name a new directory")
     if output_dir.exists() and any(output_dir.iterdir()):
         raise SftError(f"{output_dir} already exists and is not empty: choose another --output-dir")
     traces, selection = select_traces(trace_files(config.traces), config.min_reward)
