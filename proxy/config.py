@@ -95,6 +95,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if isinstance(self.upstream, str):  # one engine, written as its URL alone
             self.upstream = [self.upstream] if self.upstream else []
         urls = [u.rstrip("/") for u in self.upstream]
+        for url in urls:
+            scheme, _, host = url.partition("://")
+            if scheme not in ("http", "https") or not host:
+                raise ValueError(f"engine {url!r} is not an http(s) URL: give the engine's base URL, "
+                                 "e.g. http://127.0.0.1:8000")
         twice = sorted({u for u in urls if urls.count(u) > 1})
         if twice:
             raise ValueError(f"engine {twice[0]} is given twice")

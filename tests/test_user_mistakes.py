@@ -146,6 +146,8 @@ MISTAKES: dict[str, Mistake] = {
                                   "no trace files match 'nosuch'"),
     "sft output a file": Mistake("sft --traces nosuch --model tiny --output-dir afile", 2,
                                  "--output-dir afile is a file: name a new directory"),
+    "proxy engine not a URL": Mistake("serve proxy --upstream nonsense", 2,
+                                      "--upstream: engine 'nonsense' is not an http(s) URL"),
     "traces action unknown": Mistake("traces inspect x", 2, "invalid choice: 'inspect'"),
     # tasks
     "tasks folder missing": Mistake("train --tasks nosuch", 2, "--tasks: no task directory 'nosuch'"),

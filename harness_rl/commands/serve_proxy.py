@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         token, source = _admin_token(args, config.store_dir)
     except msgspec.ValidationError as exc:
         text, _, where = str(exc).partition(" - at `")
-        print(f"harness-rl serve proxy: {flag_for_path(FLAGS, where.rstrip('`'))}: {text}", file=sys.stderr)
+        flag = flag_for_path(FLAGS, where.rstrip("`")) if where else "--upstream"  # ProxyConfig's own checks
+        print(f"harness-rl serve proxy: {flag}: {text}", file=sys.stderr)
         return 2
     except (ConfigError, OSError) as exc:
         print(f"harness-rl serve proxy: {exc}", file=sys.stderr)
