@@ -93,3 +93,21 @@ def test_no_output_dir_writes_only_the_console(tmp_path, capsys, monkeypatch):
     logger.close()
     assert capsys.readouterr().out == "step 4 | loss 0.2500 | reward 0.500\n"
     assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    """The stopped process logged steps 1-4; resumed from its checkpoint of step 2, steps 3 and 4 are logged again
+    (other values): TensorBoard shows the new ones only."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    stopped = MetricsLogger(tmp_path, console=False, report_to="tensorboard")
+    for step in range(1, 5):
+        stopped.log(step, {"reward": float(step)})
+    stopped.close()
+    resumed = MetricsLogger(tmp_path, console=False, report_to="tensorboard", resumed_after=2)
+    for step in (3, 4):
+        resumed.log(step, {"reward": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/reward")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

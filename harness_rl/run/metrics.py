@@ -111,11 +111,14 @@ class MetricsLogger:
     """Writes each step's metrics to the console and to every backend in `report_to`.
 
     With `output_dir=None` only the console line is written. A named backend whose package is missing
-    is an error at construction (not a silent gap discovered after a long run).
+    is an error at construction (not a silent gap discovered after a long run). `resumed_after`, the step of the
+    checkpoint a run resumes from, hides from TensorBoard the later steps its stopped process had logged (their
+    `metrics.jsonl` rows are dropped by `run_files.rewind`), so each step shows once.
     """
 
     def __init__(self, output_dir: str | Path | None, *, console: bool = True,
-                 report_to: str | Iterable[str] = DEFAULT_REPORT_TO, project: str = "harness-rl") -> None:
+                 report_to: str | Iterable[str] = DEFAULT_REPORT_TO, project: str = "harness-rl",
+                 resumed_after: int | None = None) -> None:
         self.console = console
         self.report_to = parse_report_to(report_to)
         self.jsonl: TextIO | None = None
@@ -126,7 +129,8 @@ class MetricsLogger:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         if "tensorboard" in self.report_to:
-            self.tensorboard = _tensorboard_writer(output_dir / "tensorboard")
+            self.tensorboard = _tensorboard_writer(output_dir / "tensorboard",
+                                                   None if resumed_after is None else resumed_after + 1)
         if "trackio" in self.report_to:
             self.trackio = _trackio_run(output_dir, project)
         if "jsonl" in self.report_to:
@@ -155,13 +159,13 @@ class MetricsLogger:
             self.trackio.finish()
 
 
-def _tensorboard_writer(log_dir: Path) -> Any:
+def _tensorboard_writer(log_dir: Path, purge_step: int | None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise MetricsBackendError("--report-to tensorboard needs the tensorboard package: "
                                   "pip install 'harness-rl[train]' (or drop tensorboard from --report-to)") from None
-    return SummaryWriter(str(log_dir))
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
 
 
 def _trackio_run(output_dir: Path, project: str) -> Any:
