@@ -164,7 +164,26 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError("--config", f"{path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError("--config", f"{path} must hold a table of settings")
-    return _undash(data)
+    data = _undash(data)
+    if (unknown := _unknown_key(data, (RunConfig, EvalConfig))) is not None:
+        raise ConfigError("--config", f"{path}: unknown setting {unknown} (harness-rl train --print-config "
+                                      "shows every one)")
+    return data
+
+
+def _unknown_key(data: dict[str, Any], structs: tuple[type[msgspec.Struct], ...], at: str = "") -> str | None:
+    """The first key of `data`, dotted, that no struct of `structs` has; sections are followed into their structs,
+    free-form tables (harness options, metadata) are not."""
+    fields = {f.name: f.type for struct in structs
+              for f in cast(msgspec.inspect.StructType, msgspec.inspect.type_info(struct)).fields}
+    for key, value in data.items():
+        if key not in fields:
+            return f"{at}{key}"
+        kinds = getattr(fields[key], "types", (fields[key],))  # a union's members, or the type itself
+        inner = [t.cls for t in kinds if isinstance(t, msgspec.inspect.StructType)]
+        if isinstance(value, dict) and inner and (found := _unknown_key(value, tuple(inner), f"{at}{key}.")):
+            return found
+    return None
 
 
 def _undash(data: dict[str, Any]) -> dict[str, Any]:
