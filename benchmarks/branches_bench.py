@@ -21,6 +21,7 @@ rows with its reconciler (`_chain_to_sequences`, lossless: any drift forks), whi
 turns as one line: rows and forwarded tokens for the same trained tokens.
 
     python benchmarks/branches_bench.py [--rollouts 3] [--only claude-code]
+    python benchmarks/branches_bench.py --quick   # one rollout of codex alone (unless --only names others)
 
 Rollouts run one after another: the forced completions are one queue, taken in call order.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections import Counter
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from conventions import load_average, parse_args
 
 from adapters.harnesses import create_harness
 from adapters.tasks import load_task
@@ -221,16 +222,16 @@ def report(tallies: dict[str, Tally]) -> None:
                 print(f"    {role:<10} {reason:<12} {t:>6}/{s:<6} {t / max(s, 1):>7.1%}")
         for problem in tally.problems:
             print(f"  PROBLEM {problem}")
-    print(f"\nload average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"\n{load_average()}")
 
 
 def main(argv: list[str] | None = None, engine_url: str | None = None) -> dict[str, Tally]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=3, help="rollouts per CLI")
     parser.add_argument("--only", action="append", choices=sorted(SCENARIOS), help="run only these CLIs")
-    args = parser.parse_args(argv)
-    names = args.only or list(SCENARIOS)
-    print(f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    args = parse_args(parser, {"rollouts": 1}, argv, what="one rollout of codex alone, unless --only names others")
+    names = args.only or (["codex"] if args.quick else list(SCENARIOS))
+    print(f"at start: {load_average()}")
     with tempfile.TemporaryDirectory() as store:
         if engine_url is not None:  # a test's engine with forced completions already serving
             tallies = run(engine_url, names, args.rollouts, store)

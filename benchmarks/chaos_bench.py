@@ -13,7 +13,7 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
                  while 8 agents keep calling (50 ms between calls): when each stalled connection is
                  closed, and the agents' p50/p99 latency beside a run without stalls (3 repeats, medians)
 
-Run: `.venv/bin/python benchmarks/chaos_bench.py` (about three minutes on a 2-core machine).
+Run: `.venv/bin/python benchmarks/chaos_bench.py [--quick]` (about three minutes on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from conventions import load_average, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -45,10 +46,6 @@ ADMIN_TOKEN = "chaos-bench-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 THINK_S = 0.05  # an agent's pause between calls in the stalled-connection runs (agents run tools between calls)
 SYSTEM = "You are a careful coding agent. Follow the repository's conventions. "
-
-
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def free_port() -> int:
@@ -183,7 +180,8 @@ class ChaosAgent:
 
 
 async def kill_rounds(engine: str, work: Path, rounds: int, agents_n: int, rng: random.Random) -> None:
-    print(f"\nkill -9 under {agents_n} concurrent agents ({agents_n // 2} streaming), {rounds} rounds  [{load()}]")
+    print(f"\nkill -9 under {agents_n} concurrent agents ({agents_n // 2} streaming), {rounds} rounds  "
+          f"[{load_average()}]")
     proxy = ProxyProcess(engine, work / "kill-store")
     proxy.start()
     timeout = aiohttp.ClientTimeout(total=30)
@@ -221,7 +219,7 @@ async def kill_rounds(engine: str, work: Path, rounds: int, agents_n: int, rng: 
     proxy.stop()
     missing = [a - r for a, r, _ in rows]
     print(f"  acknowledged turns not recovered, per round: {missing} (target all 0); median restart "
-          f"{statistics.median(r for _, _, r in rows):.2f} s  [{load()}]")
+          f"{statistics.median(r for _, _, r in rows):.2f} s  [{load_average()}]")
 
 
 # ---------------------------------------------------------------------------------------- stalled connections
@@ -269,7 +267,7 @@ async def _agent_calls(http: aiohttp.ClientSession, info: dict[str, Any], until:
 async def stalled_connections(engine: str, work: Path, repeats: int) -> None:
     timeout_s = 2.0
     print(f"\nstalled connections: 1,000 held (400 silent, 400 half a head, 200 half a body), header and body "
-          f"timeouts {timeout_s:g} s, 8 agents calling  [{load()}]")
+          f"timeouts {timeout_s:g} s, 8 agents calling  [{load_average()}]")
     proxy = ProxyProcess(engine, work / "stall-store", ["--header-timeout-s", str(timeout_s), "--body-timeout-s",
                                                         str(timeout_s), "--max-connections-per-client", "4096",
                                                         "--max-connections", "8192"])
@@ -318,7 +316,7 @@ async def stalled_connections(engine: str, work: Path, repeats: int) -> None:
     med = {k: statistics.median(v) for k, v in figures.items()}
     print(f"  medians: closed {med['closed']:.0f}/1000, slowest close {med['slowest close']:.2f} s (timeout "
           f"{timeout_s:g} s); agents p99 {med['stall p99']:.1f} ms with stalls vs {med['base p99']:.1f} ms without "
-          f"(target < 100 ms); p50 {med['stall p50']:.1f} vs {med['base p50']:.1f} ms  [{load()}]")
+          f"(target < 100 ms); p50 {med['stall p50']:.1f} vs {med['base p50']:.1f} ms  [{load_average()}]")
 
 
 async def main() -> None:
@@ -329,10 +327,10 @@ async def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", choices=("kill", "stalled"), action="append",
                         help="run only these sections (repeatable; default: all)")
-    args = parser.parse_args()
+    args = parse_args(parser, {"rounds": 1, "agents": 4, "repeats": 1})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536) if hard != resource.RLIM_INFINITY else 65536, hard))
-    print(f"chaos bench: {os.cpu_count()} CPUs, {load()}")
+    print(f"chaos bench: {os.cpu_count()} CPUs, {load_average()}")
     engine_process, engine = start_engine()
     try:
         with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
@@ -344,7 +342,7 @@ async def main() -> None:
                 await stalled_connections(engine, work, args.repeats)
     finally:
         engine_process.kill()
-    print(f"\ndone  [{load()}]")
+    print(f"\ndone  [{load_average()}]")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ import argparse
 import os
 
 
-def parse_args(parser: argparse.ArgumentParser, quick: dict[str, object],
-               argv: list[str] | None = None) -> argparse.Namespace:
-    """The arguments, `--quick` among them: with it, `quick`'s sizes replace the defaults (flags given still win)."""
+def parse_args(parser: argparse.ArgumentParser, quick: dict[str, object], argv: list[str] | None = None,
+               what: str = "the same code at small sizes, in seconds") -> argparse.Namespace:
+    """The arguments, `--quick` among them: with it, `quick`'s sizes replace the defaults (flags given still win).
+    `what` is its help, for a script whose quick run is more than smaller sizes."""
     sizes = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in quick.items())
-    parser.add_argument("--quick", action="store_true", help=f"the same code at small sizes, in seconds ({sizes})")
+    parser.add_argument("--quick", action="store_true", help=f"{what} ({sizes})" if sizes else what)
     args = parser.parse_args(argv)
     if args.quick:
         parser.set_defaults(**quick)

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/engine_conformance.py http://127.0.0.1:8000 http://127.0.0.1:18090 \
         [--model-dir DIR]   # also compare sampled logprobs with a local forward pass of DIR
+    .venv/bin/python benchmarks/engine_conformance.py --quick   # the embedded engine against itself
 
 Sends the same requests to both (chat, streamed chat, tool calls, completions with token ids,
 tokenize/detokenize, models, errors, control routes) and prints every path where the JSON shapes
@@ -18,9 +19,14 @@ import asyncio
 import json
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+from conventions import load_average, parse_args
 from engine_logprobs import CAPTURE, MESSAGES, check_logprobs
 
 TOOLS = [
@@ -452,17 +458,36 @@ async def compare(url_a: str, url_b: str, model_a: str | None, model_b: str | No
     return failures
 
 
+@contextmanager
+def embedded_pair() -> Iterator[tuple[str, str, str]]:
+    """Two embedded engines serving one tiny model, built offline: (url A, url B, the model directory)."""
+    from harness_rl.engine import Engine, build_tiny_model, serve_in_thread
+
+    with tempfile.TemporaryDirectory(prefix="conformance-") as work, ExitStack() as stack:
+        model_dir = build_tiny_model(Path(work) / "tiny", seed=0)
+        engines = [Engine.from_pretrained(model_dir, served_model_name="tiny") for _ in range(2)]
+        for engine in engines:
+            stack.callback(engine.close)
+        a, b = (stack.enter_context(serve_in_thread(e, forced_completions=True)).url for e in engines)
+        yield a, b, str(model_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url_a", help="first engine, e.g. the embedded engine")
-    parser.add_argument("url_b", help="second engine, e.g. vLLM")
+    parser.add_argument("url_a", nargs="?", help="first engine, e.g. the embedded engine")
+    parser.add_argument("url_b", nargs="?", help="second engine, e.g. vLLM")
     parser.add_argument("--model-a", default="tiny")
     parser.add_argument("--model-b", default="tiny")
     parser.add_argument("--model-dir", help="the model directory both serve: also check logprob values")
-    args = parser.parse_args()
-    failures = asyncio.run(compare(args.url_a, args.url_b, args.model_a, args.model_b))
-    if args.model_dir:
-        asyncio.run(check_logprobs([args.url_a, args.url_b], [args.model_a, args.model_b], args.model_dir))
+    args = parse_args(parser, {}, what="no URLs: two embedded engines of one tiny model compared, logprobs too")
+    if (args.url_a is None or args.url_b is None) and not args.quick:
+        parser.error("give the two engines' URLs (or --quick: the embedded engine against itself)")
+    with embedded_pair() if args.url_a is None or args.url_b is None else nullcontext() as pair:
+        a, b, model_dir = pair or (args.url_a, args.url_b, args.model_dir)
+        failures = asyncio.run(compare(a, b, args.model_a, args.model_b))
+        if model_dir:
+            asyncio.run(check_logprobs([a, b], [args.model_a, args.model_b], model_dir))
+    print(load_average())
     sys.exit(1 if failures else 0)
 
 

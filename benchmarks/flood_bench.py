@@ -12,7 +12,8 @@ Printed per repeat, and as medians of 3: how many agent calls and session creati
 most file descriptors and connections the proxy held (sampled every 20 ms from /proc), the flood's
 connections closed to make room at accept or refused there, and how long the flood took.
 
-Run: `.venv/bin/python benchmarks/flood_bench.py` (about two minutes on a 2-core machine).
+Run: `.venv/bin/python benchmarks/flood_bench.py [--repeats 3] [--connections 20000] [--quick]` (about two minutes
+on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from chaos_bench import ADMIN, PYTHON, ProxyProcess, chat, health, load, new_session, quantile, start_engine
+from chaos_bench import ADMIN, PYTHON, ProxyProcess, chat, health, new_session, quantile, start_engine
+from conventions import load_average, parse_args
 
 FLOOD = 20_000
 FLOODERS = 2
@@ -112,13 +114,14 @@ async def _sample(pid: int, until: Callable[[], bool], fds: list[int]) -> None:
 
 
 async def _round(proxy: ProxyProcess, sessions: list[dict[str, Any]], fresh: aiohttp.ClientSession,
-                 kept: aiohttp.ClientSession, flood: bool) -> dict[str, Any]:
-    """Agents and the trainer calling for 3 s (without a flood) or until the flood has run its course."""
+                 kept: aiohttp.ClientSession, flood: int) -> dict[str, Any]:
+    """Agents and the trainer calling for 3 s (without a flood) or until a flood of `flood` connections has run its
+    course."""
     outcomes = {kind: {"ok": [], "failed": []} for kind in ("fresh", "kept", "sessions")}
     fds: list[int] = []
     flooders: list[asyncio.subprocess.Process] = []
     if flood:
-        flooders = [await asyncio.create_subprocess_exec(PYTHON, "-c", FLOODER, proxy.url, str(FLOOD // FLOODERS),
+        flooders = [await asyncio.create_subprocess_exec(PYTHON, "-c", FLOODER, proxy.url, str(flood // FLOODERS),
                                                          stdout=asyncio.subprocess.PIPE) for _ in range(FLOODERS)]
         end = float("inf")
     else:
@@ -150,11 +153,12 @@ def _line(kind: str, outcome: dict[str, list[float]]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--connections", type=int, default=FLOOD, help="stalled connections in each flood")
+    args = parse_args(parser, {"repeats": 1, "connections": 2 * 1024 + 2})  # still past the per-client limit
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    print(f"flood bench: {FLOOD:,} stalled connections from 127.0.0.1 ({FLOODERS} processes), {os.cpu_count()} "
-          f"CPUs, open-file limit {hard}, {load()}")
+    print(f"flood bench: {args.connections:,} stalled connections from 127.0.0.1 ({FLOODERS} processes), "
+          f"{os.cpu_count()} CPUs, open-file limit {hard}, {load_average()}")
     engine_process, engine = start_engine()
     figures: dict[str, list[float]] = {}
     try:
@@ -166,13 +170,13 @@ async def main() -> None:
                     as fresh, aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as kept:
                 sessions = [await new_session(kept, proxy.url) for _ in range(8)]
                 for repeat in range(args.repeats):
-                    base = await _round(proxy, sessions, fresh, kept, flood=False)
-                    during = await _round(proxy, sessions, fresh, kept, flood=True)
+                    base = await _round(proxy, sessions, fresh, kept, flood=0)
+                    during = await _round(proxy, sessions, fresh, kept, flood=args.connections)
                     counters = await health(kept, proxy.url)
                     flood = during["flood"]
                     answered = {k: len(o["ok"]) / max(1, len(o["ok"]) + len(o["failed"]))
                                 for k, o in during["outcomes"].items()}
-                    print(f"  repeat {repeat + 1}  [{load()}]")
+                    print(f"  repeat {repeat + 1}  [{load_average()}]")
                     print(f"    flood: {sum(f['opened'] for f in flood):,} opened ({sum(f['failed'] for f in flood)} "
                           f"failed to connect) in {max(f['seconds'] for f in flood):.1f} s, "
                           f"{sum(f['closed'] for f in flood):,} closed by the proxy; the proxy held at most "
@@ -196,7 +200,7 @@ async def main() -> None:
           f"{med['sessions answered']:.1%} (target 100%); p99 {med['fresh p99'] * 1000:.0f} / "
           f"{med['kept p99'] * 1000:.0f} / {med['sessions p99'] * 1000:.0f} ms vs {med['fresh base p99'] * 1000:.0f} / "
           f"{med['kept base p99'] * 1000:.0f} / {med['sessions base p99'] * 1000:.0f} ms without; the proxy held at "
-          f"most {med['fds']:.0f} fds  [{load()}]")
+          f"most {med['fds']:.0f} fds  [{load_average()}]")
 
 
 if __name__ == "__main__":

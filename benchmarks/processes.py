@@ -1,6 +1,6 @@
 """The processes a benchmark compares, started and measured alike: the fake engine, OpenEnv's capture proxy and
 ours, each in its own process under the same small wrapper that times every garbage collection; their CPU time
-and memory, and the machine's load average to print beside every figure."""
+and memory (the machine's load average beside every figure: `conventions.load_average`)."""
 
 from __future__ import annotations
 
@@ -115,10 +115,6 @@ def tiny_model_with_loaded_tokenizer() -> Path:
 
     model = build_tiny_model(default_cache_dir(0))
     return with_loaded_tokenizer(model, model.with_name(model.name + "-loaded-tokenizer"))
-
-
-def load() -> str:
-    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def start_openenv(engine: str, work: Path) -> Target:

@@ -25,7 +25,7 @@ its own process under the same small wrapper that times every garbage collection
                  our proxy with token in/token out on and off, interleaved: what splicing adds per turn,
                  early and late, and the proxy CPU per turn in each mode
 
-Run: `.venv/bin/python benchmarks/proxy_bench.py` (about five minutes on a 2-core machine; other load on
+Run: `.venv/bin/python benchmarks/proxy_bench.py [--quick]` (about five minutes on a 2-core machine; other load on
 the machine moves the latency figures, the CPU-per-request figures much less; the load average is printed
 beside each phase).
 """
@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
+from conventions import load_average, parse_args
 from processes import (
     Target,
     cpu_s,
-    load,
     rss_kb,
     start_engine,
     start_openenv,
@@ -272,9 +272,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=400, help="turns of the one-agent session (at least 200)")
     parser.add_argument("--stream-turns", type=int, default=200, help="turns of the streaming one-agent session")
+    parser.add_argument("--interleaved-turns", type=int, default=200,
+                        help="turns of the JSON one-agent session, all three targets interleaved")
     parser.add_argument("--saturation-s", type=float, default=5.0)
     parser.add_argument("--think-s", type=float, default=10.0, help="duration of the 64-agent run")
-    args = parser.parse_args()
+    parser.add_argument("--openenv", action=argparse.BooleanOptionalAction, default=True,
+                        help="OpenEnv's capture proxy beside ours (it takes seconds to start, once per phase)")
+    args = parse_args(parser, {"turns": 12, "stream_turns": 8, "interleaved_turns": 8, "saturation_s": 0.5,
+                               "think_s": 1.0, "openenv": False})
     body = agent_body(0)
     print(f"request: {len(json.loads(body)['messages'])} messages, {len(body) / 1024:.1f} KB, {len(TOOLS)} tools")
 
@@ -282,6 +287,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, stopping_all():
         work = Path(tmp)
         starters = {"direct to engine": None, "OpenEnv capture proxy": start_openenv, "harness-rl proxy": start_ours}
+        if not args.openenv:
+            del starters["OpenEnv capture proxy"]
 
         def fresh(name: str) -> Target:
             """Each phase gets freshly started proxies, so no phase pays for another's backlog."""
@@ -294,8 +301,8 @@ def main() -> None:
         for stream in (False, True):  # interleaved: the one-agent latencies compare fairly
             targets = [fresh(name) for name in starters]
             since = time.time()
-            got = asyncio.run(one_agent(targets, args.stream_turns if stream else 200, stream))
-            loads.append(load())
+            got = asyncio.run(one_agent(targets, args.stream_turns if stream else args.interleaved_turns, stream))
+            loads.append(load_average())
             for target in targets:
                 pauses[target.name] += stop(target, since)
                 mode = "streamed" if stream else "JSON"
@@ -311,19 +318,19 @@ def main() -> None:
             streamed = alone(name, fresh, engine, args.stream_turns, True, pauses[name])
             r["p50_alone_stream"], r["cpu_stream"], r["calls_stream"] = streamed["p50"], streamed["cpu"], \
                 streamed["calls"]
-            print(f"{name}: {args.turns}-turn session, {r['kb_per_turn']:.1f} KB/turn ({load()})", flush=True)
+            print(f"{name}: {args.turns}-turn session, {r['kb_per_turn']:.1f} KB/turn ({load_average()})", flush=True)
             target = fresh(name)
             since = time.time()
             lat = asyncio.run(thinking_agents(target, 64, 0.5, args.think_s))
             pauses[name] += stop(target, since)
             r["think_p50"], r["think_p99"] = statistics.median(lat), quantile(lat, 0.99)
-            print(f"{name}: 64 agents p50 {ms(r['think_p50'])} p99 {ms(r['think_p99'])} ({load()})", flush=True)
+            print(f"{name}: 64 agents p50 {ms(r['think_p50'])} p99 {ms(r['think_p99'])} ({load_average()})", flush=True)
             target = fresh(name)
             since = time.time()
             r["rps"], lat = asyncio.run(saturate(target, 16, args.saturation_s))
             r["sat_p50"], r["sat_p99"] = statistics.median(lat), quantile(lat, 0.99)
             pauses[name] += stop(target, since)
-            print(f"{name}: 16 agents {r['rps']:.0f} req/s, p99 {ms(r['sat_p99'])} ({load()})", flush=True)
+            print(f"{name}: 16 agents {r['rps']:.0f} req/s, p99 {ms(r['sat_p99'])} ({load_average()})", flush=True)
             r["gen2"] = sum(1 for g, _, _ in pauses[name] if g == 2)
             r["max_pause"] = max((wall for _, wall, _ in pauses[name]), default=0.0)
             r["max_pause_cpu"] = max((cpu for _, _, cpu in pauses[name]), default=0.0)
@@ -340,7 +347,8 @@ def main() -> None:
 
 def report(results: dict[str, dict], splice: dict[str, dict[str, float]], turns: int, prompt_tokens: int,
            loads: list[str]) -> None:
-    print(f"prompt: {prompt_tokens} tokens; {load()} (interleaved runs: JSON {loads[0]}, streamed {loads[1]})\n")
+    print(f"prompt: {prompt_tokens} tokens; {load_average()} (interleaved runs: JSON {loads[0]}, "
+          f"streamed {loads[1]})\n")
     direct = results["direct to engine"]
     names = list(results)
     rows = [
@@ -359,11 +367,11 @@ def report(results: dict[str, dict], splice: dict[str, dict[str, float]], turns:
         ("  proxy CPU per call", lambda r: ms(r["cpu_stream"])),
         (f"one agent p50 (1-{turns})", lambda r: ms(r["p50_all"])),
         ("turns 1-50 mean", lambda r: ms(r["first50"])),
-        (f"turns {turns - 49}-{turns} mean", lambda r: ms(r["last50"])),
+        (f"turns {max(1, turns - 49)}-{turns} mean", lambda r: ms(r["last50"])),
         ("  growth per 100 turns", lambda r: ms(r["slope_per_100"])),
         ("proxy CPU per request", lambda r: ms(r["cpu"])),
         ("  turns 1-100", lambda r: ms(r["cpu_first100"])),
-        (f"  turns {turns - 99}-{turns}", lambda r: ms(r["cpu_last100"])),
+        (f"  turns {max(1, turns - 99)}-{turns}", lambda r: ms(r["cpu_last100"])),
         ("  one-core ceiling", lambda r: f"{1 / r['cpu']:7.0f} req/s" if r["cpu"] else "      -"),
         ("memory per captured turn", lambda r: f"{r['kb_per_turn']:7.1f} KB"),
         ("16 agents back to back", lambda r: f"{r['rps']:7.0f} req/s"),
@@ -391,6 +399,8 @@ def report(results: dict[str, dict], splice: dict[str, dict[str, float]], turns:
                        ("proxy CPU, turns 1-50", "cpu_first50"), ("proxy CPU, last 50", "cpu_last50"),
                        ("latency growth per 100", "slope_per_100")):
         print(f"{label:28}{ms(on[key]):>16}{ms(off[key]):>16}{ms(on[key] - off[key]):>12}")
+    if "OpenEnv capture proxy" not in results:
+        return
     ours, theirs = results["harness-rl proxy"], results["OpenEnv capture proxy"]
 
     def added(r: dict, key: str) -> float:

@@ -6,7 +6,7 @@ synthetic rollouts in each layout. Per rank it counts the bytes a step holds for
 to the optimizer step) and AdamW's moments, and reports the process's peak RSS beside them. Step time is
 the median of the timed steps, rank 0's clock. Ratios are against one process with full fine-tuning.
 
-    python benchmarks/scale_bench.py [--steps 3] [--device cpu]
+    python benchmarks/scale_bench.py [--steps 3] [--device cpu] [--quick]
 
 On CPU every process gets `--threads` threads (1, as torchrun sets), so two processes use twice the
 cores of one; the memory ratios are what sharding buys on any device.
@@ -25,18 +25,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from conventions import load_average, parse_args
+
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = [("full", 1, 0), ("full", 2, 0), ("lora8", 1, 8), ("lora8", 2, 8)]
+LAYOUTS = {"full:1": ("full", 1, 0), "full:2": ("full", 2, 0), "lora8:1": ("lora8", 1, 8), "lora8:2": ("lora8", 2, 8)}
 VOCAB = 32000
 
 
-def build_model(path: Path) -> Path:
-    """Qwen2 shape, hidden 512, 6 layers, untied head: 51.7M parameters."""
+def build_model(path: Path, hidden: int = 512, layers: int = 6) -> Path:
+    """Qwen2 shape, untied head; hidden 512 and 6 layers (the default): 51.7M parameters."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=512, intermediate_size=1536,
-                                  num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+    config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden,
+                                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                   max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=1,
                                   pad_token_id=0)
     torch.manual_seed(0)
@@ -119,19 +121,27 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--completion", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=512, help="the model's hidden size")
+    parser.add_argument("--layers", type=int, default=6, help="the model's layers")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"the layouts to run, of {', '.join(LAYOUTS)} (full:1, the ratios' base, always runs)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, {"steps": 1, "rollouts": 2, "prompt": 16, "completion": 8, "hidden": 64, "layers": 2,
+                               "layouts": "full:1,lora8:2"})
     if args.worker:
         worker(args)
         return
     work = Path(tempfile.mkdtemp(prefix="scale-bench-"))
-    model_dir = build_model(work / "model")
+    model_dir = build_model(work / "model", args.hidden, args.layers)
     load_before = os.getloadavg()
     rows = {}
-    for name, processes, lora_rank in LAYOUTS:
+    chosen = ["full:1", *(layout for layout in args.layouts.split(",") if layout != "full:1")]
+    if unknown := [layout for layout in chosen if layout not in LAYOUTS]:
+        parser.error(f"--layouts: no layout {', '.join(unknown)}; the layouts are {', '.join(LAYOUTS)}")
+    for name, processes, lora_rank in (LAYOUTS[layout] for layout in chosen):
         rows[(name, processes)] = launch(model_dir, work / f"{name}-{processes}", processes, lora_rank, args)
     load_after = os.getloadavg()
     base = rows[("full", 1)][0]
@@ -149,8 +159,8 @@ def main() -> None:
               f"{worst['params'] / mib:>8.1f}M{worst['grads'] / mib:>8.1f}M{worst['optimizer'] / mib:>8.1f}M"
               f"{held / mib:>9.1f}M{held / base_bytes:>7.2f}{max(r['peak_rss'] for r in reports) / mib:>9.0f}M"
               f"{step_s:>8.2f}{step_s / base['step_s']:>7.2f}")
-    print(f"(MiB; the busiest rank; {args.threads} CPU thread(s) per process; load average {load_before[0]:.1f} "
-          f"before, {load_after[0]:.1f} after)")
+    print(f"(MiB; the busiest rank; {args.threads} CPU thread(s) per process; 1-minute load {load_before[0]:.1f} "
+          f"before, {load_after[0]:.1f} after; {load_average()})")
 
 
 if __name__ == "__main__":

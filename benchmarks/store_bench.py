@@ -15,7 +15,7 @@ Everything runs against `harness-rl serve proxy` processes in front of the fast 
   chain cost     bytes per turn of a 50- and a 200-turn agent session (12 KB system prompt, 2 KB tool
                  output per step) for --whole-turn-every none, 32, 16, 8, 4
 
-Run: `.venv/bin/python benchmarks/store_bench.py` (about three minutes on a 2-core machine).
+Run: `.venv/bin/python benchmarks/store_bench.py [--quick]` (about three minutes on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from chaos_bench import SYSTEM, ProxyProcess, chat, fetch_trace, health, load, new_session, start_engine
+from chaos_bench import SYSTEM, ProxyProcess, chat, fetch_trace, health, new_session, start_engine
+from conventions import load_average, parse_args
 
 from proxy.capture.recovery import load_log
 from proxy.config import ProxyConfig
@@ -63,6 +64,7 @@ DAMAGE: dict[str, tuple[Callable[[list[bytes], int], list[bytes]], Callable[[int
     "duplicate line": (_duplicate, range), "missing line": (_missing, range),
 }
 LENGTHS = (10, 19, 100)
+RESTARTED = 19  # the end-to-end run's log length: its turn 8 is logged whole
 
 
 def _comparable(turn: dict[str, Any]) -> str:
@@ -97,16 +99,17 @@ def _costs(log_lines: list[bytes], served: list[dict[str, Any]], damage: str, le
     return costs, all_exact
 
 
-async def damaged_stores(engine: str, work: Path) -> None:
-    """Every line of 10-, 19- and 100-turn session logs damaged in turn, read back by the proxy's recovery."""
+async def damaged_stores(engine: str, work: Path, lengths: list[int]) -> None:
+    """Every line of session logs of `lengths` turns (10, 19, 100) damaged in turn, read back by the proxy's
+    recovery."""
     bound = ProxyConfig().whole_turn_every
     print(f"\ndamaged stores: each line of a session log damaged in turn, read back by proxy.capture.recovery; "
-          f"--whole-turn-every {bound} (the default) beside none (deltas only)  [{load()}]")
+          f"--whole-turn-every {bound} (the default) beside none (deltas only)  [{load_average()}]")
     logs = {}
     for setting in ("none", str(bound)):
         proxy = ProxyProcess(engine, work / f"damage-store-{setting}", ["--whole-turn-every", setting])
         proxy.start()
-        session_id, served = await _record(proxy, max(LENGTHS))
+        session_id, served = await _record(proxy, max(lengths))
         other = await _record(proxy, 5)  # beside it: it must come back intact whatever the damage
         proxy.stop()
         logs[setting] = (proxy.store / f"{session_id}.jsonl").read_bytes().splitlines(keepends=True), served
@@ -114,7 +117,7 @@ async def damaged_stores(engine: str, work: Path) -> None:
     print(f"  {'damage':<15} {'turns':>5} {'lines tried':>11} {'max':>5} {'median':>6} {'mean':>5} {'bound':>5} "
           f"{'max, none':>9} {'mean, none':>10} {'served exact':>12}")
     for damage in DAMAGE:
-        for length in LENGTHS:
+        for length in lengths:
             costs, all_exact = _costs(*logs[str(bound)], damage, length, work)
             unbounded, none_exact = _costs(*logs["none"], damage, length, work)
             print(f"  {damage:<15} {length:>5} {len(costs):>11} {max(costs):>5} {statistics.median(costs):>6g} "
@@ -126,7 +129,7 @@ async def damaged_stores(engine: str, work: Path) -> None:
 async def _restarted(recorded: ProxyProcess, victim: str, served: list[dict[str, Any]],
                      other: tuple[str, list[dict[str, Any]]], work: Path) -> None:
     """End to end at 19 turns: the worst line (turn 8, logged whole) damaged, a real proxy restarted on the store."""
-    print("  restarted proxy, the log cut to 19 turns, turn 8's line (a whole one) damaged; a 5-turn session "
+    print(f"  restarted proxy, the log cut to {RESTARTED} turns, turn 8's line (a whole one) damaged; a 5-turn session "
           "beside it:")
     print(f"  {'damage':<15} {'trace':>5} {'served':>7} {'exact':>5} {'lost':>4} {'quarant.':>8} {'dupl.':>5} "
           f"{'file':<22} {'other session':<13}")
@@ -136,7 +139,7 @@ async def _restarted(recorded: ProxyProcess, victim: str, served: list[dict[str,
         copy = work / f"damaged-{len(name)}-{time.monotonic_ns()}"
         shutil.copytree(recorded.store, copy)
         log = copy / f"{victim}.jsonl"
-        damaged = b"".join(how(log.read_bytes().splitlines(keepends=True)[:20], 9))
+        damaged = b"".join(how(log.read_bytes().splitlines(keepends=True)[:RESTARTED + 1], 9))
         log.write_bytes(damaged)
         again = ProxyProcess(recorded.engine, copy)
         again.start()
@@ -151,7 +154,7 @@ async def _restarted(recorded: ProxyProcess, victim: str, served: list[dict[str,
         file = "unchanged" if after == damaged else "+ newline (torn end)" if after == damaged + b"\n" else "REWRITTEN"
         intact = "intact" if [_comparable(t) for t in other_trace["turns"]] == [_comparable(t)
                                                                                  for t in other_turns] else "CHANGED"
-        print(f"  {name:<15} {status:>5} {len(served):>4}/19 {'yes' if all_exact else 'NO':>5} "
+        print(f"  {name:<15} {status:>5} {len(served):>4}/{RESTARTED} {'yes' if all_exact else 'NO':>5} "
               f"{recovery['lost_turns']:>4} {recovery['quarantined_lines']:>8} {recovery['duplicate_lines']:>5} "
               f"{file:<22} {intact:<13}")
 
@@ -159,16 +162,18 @@ async def _restarted(recorded: ProxyProcess, victim: str, served: list[dict[str,
 # ---------------------------------------------------------------------------------------------- chain cost
 
 
-async def chain_cost(engine: str, work: Path) -> None:
-    print(f"\nwhat the damage bound costs on disk (bytes per turn of one session's log)  [{load()}]")
-    print(f"  {'--whole-turn-every':>18} {'50 turns':>10} {'200 turns':>10} {'x none (50)':>11} {'x none (200)':>12}")
+async def chain_cost(engine: str, work: Path, lengths: list[int], bounds: list[str]) -> None:
+    """Bytes per turn of sessions of `lengths` turns (50, 200) for each --whole-turn-every of `bounds` (none first)."""
+    print(f"\nwhat the damage bound costs on disk (bytes per turn of one session's log)  [{load_average()}]")
+    print(f"  {'--whole-turn-every':>18}" + "".join(f"{f'{n} turns':>11}" for n in lengths)
+          + "".join(f"{f'x none ({n})':>13}" for n in lengths))
     unbounded: dict[int, float] = {}
-    for k in ("none", "32", "16", "8", "4"):
+    for k in bounds:
         proxy = ProxyProcess(engine, work / f"chain-{k}", ["--whole-turn-every", k])
         proxy.start()
         sizes = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            for turns in (50, 200):
+            for turns in lengths:
                 info = await new_session(http, proxy.url)
                 messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM * 180},
                                                   {"role": "user", "content": "Fix it. " * 120}]
@@ -180,27 +185,35 @@ async def chain_cost(engine: str, work: Path) -> None:
         proxy.stop()
         if k == "none":
             unbounded = dict(sizes)
-        print(f"  {k:>18} {sizes[50]:>10,.0f} {sizes[200]:>10,.0f} {sizes[50] / unbounded[50]:>10.2f}x "
-              f"{sizes[200] / unbounded[200]:>11.2f}x")
+        print(f"  {k:>18}" + "".join(f"{sizes[n]:>11,.0f}" for n in lengths)
+              + "".join(f"{sizes[n] / unbounded[n]:>12.2f}x" for n in lengths))
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=("damage", "chain"), action="append",
                         help="run only these sections (repeatable; default: all)")
-    args = parser.parse_args()
-    print(f"store bench: {os.cpu_count()} CPUs, {load()}")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                        help=f"turns of the damaged logs (the longest at least {RESTARTED})")
+    parser.add_argument("--chain-turns", default="50,200", help="turns of the sessions measured")
+    parser.add_argument("--chain-bounds", default="none,32,16,8,4", help="the --whole-turn-every values compared")
+    args = parse_args(parser, {"lengths": "10,19", "chain_turns": "10,20", "chain_bounds": "none,8"})
+    lengths, chain_turns = [int(n) for n in args.lengths.split(",")], [int(n) for n in args.chain_turns.split(",")]
+    bounds = ["none", *(k for k in args.chain_bounds.split(",") if k != "none")]  # the ratios' base first
+    if max(lengths) < RESTARTED:
+        parser.error(f"--lengths: the longest log must have at least {RESTARTED} turns")
+    print(f"store bench: {os.cpu_count()} CPUs, {load_average()}")
     engine_process, engine = start_engine()
     try:
         with tempfile.TemporaryDirectory(prefix="store-") as tmp:
             only = set(args.only or ("damage", "chain"))
             if "damage" in only:
-                await damaged_stores(engine, Path(tmp))
+                await damaged_stores(engine, Path(tmp), lengths)
             if "chain" in only:
-                await chain_cost(engine, Path(tmp))
+                await chain_cost(engine, Path(tmp), chain_turns, bounds)
     finally:
         engine_process.kill()
-    print(f"\ndone  [{load()}]")
+    print(f"\ndone  [{load_average()}]")
 
 
 if __name__ == "__main__":

