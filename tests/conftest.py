@@ -9,17 +9,26 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    from fake_engine import FakeEngine
+
     from harness_rl.engine import Engine
+    from proxy.server.app import RunningProxy
 
 pytest_plugins = ["vllm_fixtures"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """Every `@pytest.mark.anyio` test runs on asyncio (the loop the proxy, the engine and the adapters use)."""
+    return "asyncio"
 
 
 @pytest.fixture(scope="session")
@@ -50,12 +59,32 @@ def engine_url(engine: Engine) -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="module")
+def proxy_settings() -> dict[str, Any]:
+    """The `ProxyConfig` fields of a module's `proxy` beside its upstream and store: none here; a module that needs
+    some (a turn's token limit, a session's turns) overrides this fixture."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def proxy(engine_url: str, proxy_settings: dict[str, Any],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
+    """A proxy in front of `engine_url` for the whole module, logging to a fresh store, with `proxy_settings`."""
+    from harness_rl.run.stack import serve_proxy
+    from proxy.config import ProxyConfig
+
+    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("proxy-store")),
+                         **proxy_settings)
+    with serve_proxy(config) as running:
+        yield running
+
+
 # ---------------------------------------------------------------------------------------------
 # Proxy fixtures: a fast fake engine (tests/fake_engine.py) and a proxy in front of it.
 
 
 @pytest.fixture(scope="session")
-def fake_engine_server() -> Iterator[tuple[object, str]]:
+def fake_engine_server() -> Iterator[tuple[FakeEngine, str]]:
     """One fake vLLM-shaped engine for the whole run: (FakeEngine, url)."""
     from fake_engine import FakeEngine, run_fake_engine
 
@@ -65,34 +94,16 @@ def fake_engine_server() -> Iterator[tuple[object, str]]:
 
 
 @pytest.fixture
-def fake_engine(fake_engine_server: tuple[object, str]) -> object:
-    """The fake engine, reset: no script, no recorded requests, no policy header, capture on."""
+def fake_engine(fake_engine_server: tuple[FakeEngine, str]) -> FakeEngine:
+    """The fake engine, reset (`FakeEngine.reset`): every knob and record as a new one has them."""
     fake = fake_engine_server[0]
-    fake.script.clear()
-    fake.requests.clear()
-    fake.conversations.clear()
-    fake.version = None
-    fake.capture = True
-    fake.drift = False
-    fake.drop_reasoning = False
-    fake.open_thinking = False
-    fake.numbered_tools = False
-    fake.token_delay_s = 0.0
-    fake.stream_leak = None
-    fake.usage_offset = 0
-    fake.break_after = None
-    fake.piece_bytes = None
-    fake.aborted.clear()
-    fake.derender_steps.clear()
-    fake.ranks.clear()
-    fake.stream_fail_after = None
-    fake.whole_derenders = 0
-    fake.routes.clear()
+    fake.reset()
     return fake
 
 
 @pytest.fixture
-def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
+def fake_proxy(fake_engine_server: tuple[FakeEngine, str], fake_engine: FakeEngine,
+               tmp_path: Path) -> Iterator[RunningProxy]:
     """A proxy in front of the fake engine, logging under `tmp_path / "store"`."""
     from harness_rl.run.stack import serve_proxy
     from proxy.config import ProxyConfig
@@ -103,7 +114,8 @@ def fake_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_
 
 
 @pytest.fixture
-def keepalive_proxy(fake_engine_server: tuple[object, str], fake_engine: object, tmp_path: Path) -> Iterator[object]:
+def keepalive_proxy(fake_engine_server: tuple[FakeEngine, str], fake_engine: FakeEngine,
+                    tmp_path: Path) -> Iterator[RunningProxy]:
     """A proxy that opens a slow call's stream with keep-alives after 0.1 s and never retries the engine."""
     from harness_rl.run.stack import serve_proxy
     from proxy.config import ProxyConfig

@@ -17,7 +17,7 @@ import threading
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgspec
@@ -93,6 +93,19 @@ class FakeEngine:
     _template: Any = None
     _sampled: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
     _streamed: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)  # by prompt: the message sampled
+
+    def reset(self) -> None:
+        """Every knob and record back to what a new FakeEngine() holds (containers emptied in place, so a reference
+        to one stays live); only the text-to-ids memo is kept, as it changes no answer."""
+        fresh = FakeEngine()
+        for knob in fields(self):
+            if knob.name == "_cache":
+                continue
+            value, default = getattr(self, knob.name), getattr(fresh, knob.name)
+            if isinstance(default, list | dict | deque) and type(value) is type(default):  # a Counter is a dict
+                value.clear()
+            else:
+                setattr(self, knob.name, default)
 
     def _ids(self, text: str) -> list[int]:
         ids = self._cache.get(text)

@@ -36,11 +36,6 @@ HARBOR_NAMES = {"echo", "opencode", "claude-code", "mini-swe-agent", "codex", "g
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def sandbox():
     async with LocalSandbox() as box:
         await box.start(load_task(TASKS / "digits"))

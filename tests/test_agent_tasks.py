@@ -27,11 +27,6 @@ ISOLATIONS = ["none", pytest.param("bwrap", marks=pytest.mark.skipif(shutil.whic
                                                                      reason="bubblewrap is not installed"))]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def test_the_split_is_large_enough_and_disjoint() -> None:
     assert len(TRAIN) >= 6 and len(HELDOUT) >= 2
     names = [t.name for t in TRAIN + HELDOUT]

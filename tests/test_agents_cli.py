@@ -20,6 +20,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,9 +31,7 @@ from harness_rl.learner.rows import trace_rows
 from harness_rl.learner.samples import build_samples
 from harness_rl.outcome import RolloutGroup, RolloutOutcome
 from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
-from harness_rl.run.stack import serve_proxy
 from proxy.client import ProxyClient
-from proxy.config import ProxyConfig
 from proxy.server.app import RunningProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -41,11 +40,6 @@ TASKS = ROOT / "examples" / "tasks"
 GREETING = "printf 'hello harness-rl\\n' > greeting.txt"
 FIX = "sed -i 's/range(n)/range(n + 1)/' mathlib.py"
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="session")
@@ -58,11 +52,9 @@ def agent_clis() -> Path:
 
 
 @pytest.fixture(scope="module")
-def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("cli-store")),
-                         max_tokens_per_turn=64, max_turns=12)
-    with serve_proxy(config) as running:
-        yield running
+def proxy_settings() -> dict[str, Any]:
+    """This module's `proxy` (tests/conftest.py) in front of the embedded engine."""
+    return {"max_tokens_per_turn": 64, "max_turns": 12}
 
 
 @pytest.fixture(autouse=True)

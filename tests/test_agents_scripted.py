@@ -31,11 +31,6 @@ KEY = "sk-session-key"
 WRITE = "printf 'hello harness-rl\\n' > greeting.txt"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def agent_clis() -> None:
     if shutil.which("npm") is None or shutil.which("node") is None:

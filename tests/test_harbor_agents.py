@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,10 +31,8 @@ from adapters.sandboxes.local import default_tools_dir
 from adapters.tasks import load_task
 from harness_rl.outcome import RolloutOutcome
 from harness_rl.run.rollouts import RolloutConfig, RolloutScheduler
-from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace, Turn
 from proxy.client import ProxyClient
-from proxy.config import ProxyConfig
 from proxy.server.app import RunningProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -74,17 +73,10 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
-def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("harbor-store")),
-                         max_tokens_per_turn=256, max_turns=12)
-    with serve_proxy(config) as running:
-        yield running
+def proxy_settings() -> dict[str, Any]:
+    """This module's `proxy` (tests/conftest.py) in front of the embedded engine."""
+    return {"max_tokens_per_turn": 256, "max_turns": 12}
 
 
 @pytest.fixture(autouse=True)

@@ -199,8 +199,3 @@ def test_train_preflight_stops_with_harbors_refusal_and_says_why_others_cannot_r
     network = train("--harness", "harbor:goose")
     assert network.returncode == 2 and "Harbor's goose cannot run here (network)" in network.stderr, network.stderr
     assert not (tmp_path / "run").exists()
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,7 @@ import httpx
 import openai
 import pytest
 
-from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
-from proxy.config import ProxyConfig
 from proxy.server.app import RunningProxy
 
 pytestmark = pytest.mark.slow
@@ -28,11 +25,9 @@ ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a shell command.",
 
 
 @pytest.fixture(scope="module")
-def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("sdk-store")),
-                         max_tokens_per_turn=64)
-    with serve_proxy(config) as running:
-        yield running
+def proxy_settings() -> dict[str, Any]:
+    """This module's `proxy` (tests/conftest.py) in front of the embedded engine."""
+    return {"max_tokens_per_turn": 64}
 
 
 def force(engine_url: str, tools: list[str] = (), no_tools: list[str] = ()) -> None:

@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from harness_rl.engine import Engine
-from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
-from proxy.config import ProxyConfig
 from proxy.server.app import RunningProxy
 
 LONG = " ".join(f"word{i}" for i in range(600))  # far more than 256 tokens
-
-
-@pytest.fixture(scope="module")
-def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("stream-store")))
-    with serve_proxy(config) as running:
-        yield running
 
 
 def force(engine_url: str, *texts: str) -> None:

@@ -5,7 +5,6 @@ gave it, is spliced onto the streamed one."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -13,9 +12,7 @@ import httpx
 import openai
 import pytest
 
-from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace, Turn
-from proxy.config import ProxyConfig
 from proxy.server.app import RunningProxy
 
 pytestmark = pytest.mark.slow
@@ -27,11 +24,9 @@ USER = "List the files."
 
 
 @pytest.fixture(scope="module")
-def proxy(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningProxy]:
-    config = ProxyConfig(upstream=engine_url, store_dir=str(tmp_path_factory.mktemp("sdk-stream-store")),
-                         max_tokens_per_turn=96)
-    with serve_proxy(config) as running:
-        yield running
+def proxy_settings() -> dict[str, Any]:
+    """This module's `proxy` (tests/conftest.py) in front of the embedded engine."""
+    return {"max_tokens_per_turn": 96}
 
 
 def session_of(proxy: RunningProxy, engine_url: str) -> dict[str, Any]:

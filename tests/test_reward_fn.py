@@ -21,11 +21,6 @@ EXAMPLE = "examples.reward_fns:tool_efficiency"  # importable from the repositor
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client(fake_proxy):
     async with ProxyClient(fake_proxy.url, fake_proxy.admin_token) as proxy_client:
         yield proxy_client

@@ -31,11 +31,6 @@ DIGITS = load_task(TASKS / "digits")
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client(fake_proxy):
     async with ProxyClient(fake_proxy.url, fake_proxy.admin_token) as proxy_client:
         yield proxy_client

@@ -31,11 +31,6 @@ from e2b.sandbox_async.commands.command import Commands  # noqa: E402
 from e2b.sandbox_async.filesystem.filesystem import Filesystem  # noqa: E402
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class RecordingE2B:
     """Stands in for `e2b.AsyncSandbox`; binds every call to the real SDK signature."""
 

@@ -20,11 +20,6 @@ ISOLATIONS = ["none", pytest.param("bwrap", marks=pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/install_agents.sh installs it)"))]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -20,11 +20,6 @@ pytestmark = pytest.mark.anyio
 TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.parametrize(
     ("json_text", "txt_text", "key", "expected"),
     [
