@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 import uuid
@@ -257,16 +256,10 @@ class RunningScripted:
                 and ":countTokens" not in r.path]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def serve_scripted(script: Script, port: int = 0) -> Iterator[RunningScripted]:
-    """Serve a `ScriptedLLM` on 127.0.0.1 from a background thread until the block ends."""
-    llm, port = ScriptedLLM(script), port or free_port()
+    """Serve a `ScriptedLLM` on 127.0.0.1 (`port`, or 0: a free one) from a background thread until the block ends."""
+    llm = ScriptedLLM(script)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -279,7 +272,7 @@ def serve_scripted(script: Script, port: int = 0) -> Iterator[RunningScripted]:
 
     runner = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     try:
-        yield RunningScripted(f"http://127.0.0.1:{port}", llm)
+        yield RunningScripted(f"http://127.0.0.1:{runner.addresses[0][1]}", llm)
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness_rl.engine import build_tiny_model, default_cache_dir
+from harness_rl.learner.weight_sync import free_port
 
 
 @pytest.mark.slow
@@ -87,12 +87,6 @@ def test_model_shape_and_end_of_turn_habit(tiny_model_dir: Path) -> None:
         p_eos = model(contexts).logits.softmax(-1)[..., eos]
     # a geometric stop with this per-token probability ends a reply after ~1/p tokens on average
     assert 0.02 < float(p_eos.min()) and float(p_eos.max()) < 0.06
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

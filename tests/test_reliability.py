@@ -36,6 +36,7 @@ from fake_engine import FakeEngine, run_fake_engine, start_fake_engine
 from proxy_agent import Agent
 
 from harness_rl.background import BackgroundLoop
+from harness_rl.learner.weight_sync import free_port
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import Turn
 from proxy.config import ProxyConfig
@@ -160,12 +161,6 @@ def start(hostile_server: tuple[HostileEngine, str], hostile: HostileEngine,
         yield started
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def converse(agent: Agent, turns: int) -> list[dict[str, Any]]:
     """A linear conversation of `turns` calls; returns its messages so far."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
@@ -219,7 +214,6 @@ def test_1_model_name_is_asked_until_the_engine_serves(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- 2-4. damaged stores
-
 
 
 @dataclass
