@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import http_json
 import httpx
 import msgspec
 
@@ -29,8 +30,8 @@ class Agent:
         self.auth = {"Authorization": f"Bearer {self.session['key']}"}
 
     def chat(self, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
-        return httpx.post(f"{self.base}/chat/completions", json={"model": "policy", "messages": messages, **body},
-                          headers=self.auth, timeout=30)
+        return http_json.post(self.base, "/chat/completions", {"model": "policy", "messages": messages, **body},
+                              self.auth, timeout=30)
 
     def trace(self) -> TrainingTrace:
         got = httpx.get(f"{self.proxy.url}/sessions/{self.session['id']}/trace", headers=self.admin)

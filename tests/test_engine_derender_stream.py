@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from http_json import post
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm_0_32"
 MESSAGES = [{"role": "system", "content": "You are a coder."}, {"role": "user", "content": "List the files."}]
@@ -16,10 +17,6 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
 TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
 DERENDER = "/v1/chat/completions/derender"
-
-
-def post(url: str, path: str, body: Any) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=120)
 
 
 def sampled(url: str, text: str, tools: bool) -> tuple[dict[str, Any], list[int], list[int]]:

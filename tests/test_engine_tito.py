@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from forward_reference import reference_logprobs
+from http_json import post
 
 from harness_rl.engine import Engine, SamplingParams, serve_in_thread
 
@@ -29,10 +30,6 @@ TOOLS = [
 TOOL_TEXT = 'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
 EOS = 2  # the tiny model's <|im_end|>
 RANDOM_VALUES = ("id", "request_id", "created")
-
-
-def post(url: str, path: str, body: Any) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=120)
 
 
 def fixture(name: str) -> dict[str, Any]:

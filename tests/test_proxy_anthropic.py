@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import anthropic
+import http_json
 import httpx
 import pytest
 from fake_engine import FakeEngine, Scripted
@@ -31,7 +32,7 @@ def claude_code_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, 
 
 def post(agent: Agent, path: str, body: Any, **kw: Any) -> httpx.Response:
     headers = {**CLAUDE_CODE_HEADERS, "x-api-key": agent.session["key"]}
-    return httpx.post(f"{agent.session['anthropic_base_url']}{path}", json=body, headers=headers, timeout=30, **kw)
+    return http_json.post(agent.session["anthropic_base_url"], path, body, headers, timeout=30, **kw)
 
 
 def sse(text: str) -> list[tuple[str, dict[str, Any]]]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import http_json
 import httpx
 import msgspec
 import pytest
@@ -36,8 +37,8 @@ def url(agent: Agent, method: str = "streamGenerateContent", model: str = "polic
 def post(agent: Agent, body: Any, method: str = "generateContent", query: str = "",
          headers: dict[str, str] | None = None) -> httpx.Response:
     stream = "?alt=sse" if method == "streamGenerateContent" else ""
-    return httpx.post(url(agent, method) + (query or stream), json=body, timeout=30,
-                      headers={"x-goog-api-key": agent.session["key"]} if headers is None else headers)
+    return http_json.post(url(agent, method), query or stream, body, timeout=30,
+                          headers={"x-goog-api-key": agent.session["key"]} if headers is None else headers)
 
 
 def chunks(text: str) -> list[dict[str, Any]]:

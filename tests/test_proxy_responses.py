@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import http_json
 import httpx
 import msgspec
 import pytest
@@ -29,7 +30,7 @@ def codex_body(n: int) -> dict[str, Any]:
 
 
 def post(agent: Agent, body: dict[str, Any], **headers: str) -> httpx.Response:
-    return httpx.post(f"{agent.base}/responses", json=body, headers={**agent.auth, **headers}, timeout=30)
+    return http_json.post(agent.base, "/responses", body, {**agent.auth, **headers}, timeout=30)
 
 
 def events(text: str) -> list[dict[str, Any]]:
