@@ -120,21 +120,25 @@ def test_pause_modes_wait_keep_abort(own_engine: Engine) -> None:
     long = SamplingParams(max_tokens=400, seed=1, ignore_eos=True)
 
     async def scenario() -> None:
+        sampling = asyncio.Event()  # set at a generation's first tokens
+
         async def generate() -> tuple[int, str]:
             count, finish = 0, ""
             async for update in own_engine.generate(prompt, long):
                 count += len(update.tokens)
                 finish = update.finish_reason or finish
+                sampling.set()
             return count, finish
 
         running = asyncio.create_task(generate())
-        await asyncio.sleep(0.05)
+        await sampling.wait()
         await own_engine.pause("wait")
         assert running.done() and running.result() == (400, "length")
         own_engine.resume()
 
+        sampling.clear()
         running = asyncio.create_task(generate())
-        await asyncio.sleep(0.05)
+        await sampling.wait()
         await own_engine.pause("abort")
         count, finish = await running
         assert finish == "abort" and count < 400
@@ -145,12 +149,14 @@ def test_pause_modes_wait_keep_abort(own_engine: Engine) -> None:
         async def collect() -> str:
             async for update in own_engine.generate(prompt, long):
                 tokens.extend(t.token_id for t in update.tokens)
+                sampling.set()
                 if update.finish_reason:
                     return update.finish_reason
             return ""
 
+        sampling.clear()
         running = asyncio.create_task(collect())
-        await asyncio.sleep(0.05)
+        await sampling.wait()
         await own_engine.pause("keep")
         await asyncio.sleep(0.05)
         frozen = len(tokens)
@@ -235,13 +241,20 @@ def test_every_reply_is_exactly_the_weights_its_header_names(own_engine: Engine,
     clients = [threading.Thread(target=client, args=(seed,)) for seed in range(4)]
     for thread in clients:
         thread.start()
+    def replied(header: str | None) -> None:
+        """Until a reply carries `header` (None: any reply), while the clients keep calling."""
+        deadline = time.monotonic() + 60
+        while not any(header in (None, got) for got, _ in replies):
+            assert time.monotonic() < deadline, f"no reply of version {header} in 60 s"
+            time.sleep(0.01)
+
+    replied(None)  # traffic flows before the first cycle, and between cycles
     for version, state in versions.items():
-        time.sleep(0.3)
         assert httpx.post(f"{own_url}/pause", params={"mode": "wait"}, timeout=60).status_code == 200
         reply = httpx.post(f"{own_url}/update_weights_from_bytes", params={"version": version}, content=save(state))
         assert reply.status_code == 200
         httpx.post(f"{own_url}/resume")
-    time.sleep(0.3)
+        replied(str(version))
     stop.set()
     for thread in clients:
         thread.join()

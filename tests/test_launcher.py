@@ -155,7 +155,10 @@ def test_stop_ends_the_whole_process_group(launcher) -> None:
     sleeper = "import time; time.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, "
                                f"'-c', {sleeper!r}]); {sleeper}"], start_new_session=True)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while len(subprocess.run(["pgrep", "-g", str(parent.pid)], capture_output=True, text=True).stdout.split()) < 2:
+        assert time.monotonic() < deadline, "the child never started"  # until the group holds parent and child
+        time.sleep(0.05)
     launcher.stop(parent, grace_s=5)
     assert parent.returncode is not None
     deadline = time.monotonic() + 5

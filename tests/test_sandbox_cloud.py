@@ -37,6 +37,7 @@ class RecordingE2B:
     instances: list[RecordingE2B] = []
     fail_create = False
     create_delay_s = 0.0
+    creating = asyncio.Event()  # set once a create has begun
 
     def __init__(self, create_kwargs: dict[str, Any]) -> None:
         self.create_kwargs = create_kwargs
@@ -52,6 +53,7 @@ class RecordingE2B:
         inspect.signature(e2b.AsyncSandbox.create).bind(*args, **kwargs)
         if cls.fail_create:
             raise e2b.RateLimitException("too many sandboxes")
+        cls.creating.set()
         await asyncio.sleep(cls.create_delay_s)
         box = cls(kwargs)
         cls.instances.append(box)
@@ -85,6 +87,7 @@ class RecordingE2B:
 @pytest.fixture
 def recorder():
     RecordingE2B.instances, RecordingE2B.fail_create, RecordingE2B.create_delay_s = [], False, 0.0
+    RecordingE2B.creating = asyncio.Event()
     yield RecordingE2B
 
 
@@ -153,7 +156,7 @@ async def test_create_failure_is_a_retryable_start_error(recorder) -> None:
 async def test_a_start_cancelled_during_creation_kills_the_new_sandbox(recorder) -> None:
     recorder.create_delay_s = 0.3
     starting = asyncio.create_task(create_sandbox("e2b", sandbox_class=recorder).start(load_task(TASKS / "digits")))
-    await asyncio.sleep(0.05)
+    await recorder.creating.wait()
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
