@@ -173,7 +173,12 @@ async def test_openclaw_runs_but_rewrites_its_history(proxy: RunningProxy, engin
         assert "BEGIN_OPENCLAW_INTERNAL_CONTEXT" in json.dumps(parent.request.messages[-1])
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+# Every agent is proven above; a whole training step (about 36 s each) runs for Harbor's own agent, which needs its
+# own turn limit, and for one installed from npm, so the suite fits CI's 90 minutes.
+TRAINED = ("kimi-code", "terminus-2")
+
+
+@pytest.mark.parametrize("name", TRAINED)
 def test_train_one_step_with_a_bridged_agent(name: str, tmp_path: Path) -> None:
     """`harness-rl train --harness harbor:<name> --max-steps 1` with the tiny model sampling freely: every rollout
     ends scored, with a valid trace holding the agent's calls."""
