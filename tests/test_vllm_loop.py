@@ -110,9 +110,12 @@ def test_real_clis_run_through_the_proxy_in_front_of_vllm(vllm_server: VllmProce
 def test_training_against_vllm_with_reload_sync_learns(vllm_weights: VllmProcess, tiny_model_dir: Path,
                                                        tmp_path: Path) -> None:
     out = tmp_path / "run"
+    # Not in lockstep, as this rise was measured before the demo preset became lockstep: in lockstep the same 30
+    # seeded steps rose 0.008 -> 0.178 (measured 2026-12-03), a slower, not a broken, learner (every sync exact).
     done = subprocess.run(
         [sys.executable, "-m", "harness_rl.cli", "train", "--preset", "demo", "--engine", vllm_weights.url,
          "--model", str(tiny_model_dir), "--weight-sync", "reload", "--max-steps", "30", "--output-dir", str(out),
+         "--no-lockstep",
          "--save-every", "0"], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -217,5 +217,6 @@ def test_the_doctor_and_train_refuse_a_vllm_whose_weight_transfer_does_not_match
          "--model", str(tiny_model_dir), "--weight-sync", "nccl", "--output-dir", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "FAIL  weight transfer          vLLM's weight-transfer backend is gloo, not nccl" in done.stderr
+    assert "harness-rl train: stopped: the engine at" in done.stderr  # one line, with the doctor's finding and fix
+    assert "weight-transfer backend is gloo, not nccl (fix: start vLLM with --weight-transfer-config" in done.stderr
     assert not out.exists()  # refused before anything started
