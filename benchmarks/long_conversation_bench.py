@@ -40,9 +40,11 @@ from typing import Any
 import httpx
 import msgspec
 from conventions import load_average, parse_args
-from processes import ROOT, start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
+from processes import start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
 from proxy_bench import TOOLS
+from served_vllm import add_arguments, served
 
+from harness_rl.tools.vllm_server import VllmLaunch, find_vllm_python, vllm_launch
 from proxy.capture.local_render import LocalTemplate
 from proxy.config import ProxyConfig
 from proxy.upstream.client import PROBE, ChatRender
@@ -158,38 +160,27 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:8.1f} ms"
 
 
-def start_vllm(model_dir: Path, work: Path) -> tuple[Any, str, int]:
+def tiny_launch(model_dir: Path) -> VllmLaunch:
     from harness_rl.learner.weight_sync import free_port
-    from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
 
-    python = ROOT / ".tools" / "vllm-venv" / "bin" / "python"
-    if not python.is_file():
-        from adapters.sandboxes.local import default_tools_dir
-
-        python = default_tools_dir() / "vllm-venv" / "bin" / "python"
-    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny")
-    server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
-    assert server.process is not None
-    return server, server.url, server.process.pid
+    return vllm_launch(model_dir, python=find_vllm_python(), cuda=False, port=free_port(), served_model_name="tiny")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=200)
-    parser.add_argument("--vllm-url", help="a vLLM already serving the tiny model (with the loaded tokenizer)")
-    parser.add_argument("--vllm-pid", type=int, help="its API server's process id (for its CPU time)")
-    parser.add_argument("--model-dir", help="the directory it serves (default: the tiny model, built if need be)")
+    add_arguments(parser, "the tiny model as `tiny` (with the loaded tokenizer); with --vllm-pid")
     args = parse_args(parser, {"turns": MARKS[0]})
-    model_dir = Path(args.model_dir) if args.model_dir else tiny_model_with_loaded_tokenizer()
+    if args.vllm_url and args.vllm_pid is None:
+        parser.error("--vllm-url needs --vllm-pid: the API server's CPU time is measured")
+    model_dir = args.model_dir or tiny_model_with_loaded_tokenizer()
     check_tokens = ProxyConfig().splice_check_tokens or 0
     marks = [m for m in MARKS if m <= args.turns]
     with tempfile.TemporaryDirectory() as tmp, stopping_all(), contextlib.ExitStack() as started:
         work = Path(tmp)
-        if args.vllm_url:
-            vllm, api = args.vllm_url.rstrip("/"), args.vllm_pid
-        else:
-            server, vllm, api = start_vllm(model_dir, work)
-            started.callback(server.stop)
+        server = started.enter_context(served(args, lambda: tiny_launch(model_dir), work / "vllm.log"))
+        vllm, api = server.url, server.pid
+        assert api is not None
         engine = descendants(api)
         ours = [start_ours(vllm, work), start_ours(vllm, work, "--local-render", "none")]
         http = httpx.Client(timeout=600)

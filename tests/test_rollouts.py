@@ -131,6 +131,21 @@ async def test_a_restored_state_hands_over_its_finished_groups_first_and_runs_it
     assert seeds == sorted([rollout_seed(0, 1, lost.task, i) for i in range(2)] * 2)  # the same seeds, twice
 
 
+async def test_in_lockstep_a_state_taken_between_syncs_starts_no_group_while_a_restored_one_is_out(
+        client, fake_engine) -> None:
+    """A step that synced nothing is checkpointed as the scheduler stands: in lockstep no group starts while one is
+    out, so a resumed run starts none beside its restored ones either; a state taken at a sync's hold starts the
+    next groups at once, as the sync's release does."""
+    between = scheduler(client, num_generations=2, max_groups=9, lockstep=True)
+    between.restore(SchedulerState(next_group=2, running=[1]))
+    await between.next_group()
+    assert between.groups_started == 2
+    at_sync = scheduler(client, num_generations=2, max_groups=9, lockstep=True)
+    at_sync.restore(SchedulerState(next_group=2, running=[1], at_sync=True))
+    await at_sync.next_group()
+    assert at_sync.groups_started > 2
+
+
 async def test_a_state_survives_the_checkpoint_encoding(client, fake_engine) -> None:
     group = await scheduler(client, num_generations=2).run_group(DIGITS, 5)
     state = SchedulerState(next_group=7, finished=[group], running=[6])

@@ -36,11 +36,13 @@ def vllm_venv_python() -> Path:
 
 
 class SharedVllm:
-    """The session's vLLM: `live()` is the running server, started first if there is none or it died."""
+    """The session's vLLM: `live()` is the running server, started first if there is none or it died. It serves
+    `model_dir`."""
 
-    def __init__(self, launch: VllmLaunch, log: Path) -> None:
+    def __init__(self, launch: VllmLaunch, log: Path, model_dir: Path) -> None:
         self.launch = launch
         self.log = log
+        self.model_dir = model_dir
         self.server: VllmProcess | None = None
 
     def live(self) -> VllmProcess:
@@ -71,7 +73,7 @@ def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     model_dir = with_loaded_tokenizer(tiny_model_dir, tmp_path_factory.mktemp("tiny-loaded") / "tiny-0")
     launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny",
                          extra_args=(*LOG_REQUESTS, *(GLOO_TRANSFER if gloo_plugin_version() else ())))
-    shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log")
+    shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log", model_dir)
     yield shared
     shared.close()
 

@@ -19,7 +19,7 @@ from harness_rl.run.presets import EXAMPLES, PRESETS
 # seed; for eval its tasks, samples and output).
 RUN = Group("run and tasks", ("rollouts.harness", "rollouts.tasks", "tasks", "num_samples", "engine.model",
                               "engine.engine", "learner.max_steps", "output.output_dir", "output.resume", "",
-                              "rollouts.num_generations"))
+                              "rollouts.num_generations", "learner.nproc_per_node"))
 RUN_GROUPS = (
     RUN,
     Group("agent and sandbox", ("rollouts.sandbox", "rollouts.agent_timeout_s", "rollouts.max_turns")),

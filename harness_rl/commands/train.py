@@ -58,10 +58,6 @@ def register(commands: argparse._SubParsersAction) -> None:
                                                                        "tiny-agent: agent; else real)")
     run_section.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML "
                                                                          "and exit")
-    run_section.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                             help="learner processes on this machine (one per GPU): starts torchrun, the policy "
-                                  "sharded with FSDP2 across them, rank 0 running the engine, proxy and rollouts "
-                                  "(default: 1; several machines: torchrun --nnodes ... -m harness_rl train)")
     parser.set_defaults(run=run)
 
 
@@ -90,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"harness-rl train: {exc}", file=sys.stderr)
         return 2
 
-    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        command = torchrun_command(args.nproc_per_node, args.argv)
+    if config.learner.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        command = torchrun_command(config.learner.nproc_per_node, args.argv)
         print(f"harness-rl train: starting {shlex.join(command)}", file=sys.stderr, flush=True)
         os.execv(sys.executable, command)  # torchrun takes this process's place, signals and exit code included
 

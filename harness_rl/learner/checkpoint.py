@@ -107,8 +107,11 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     ranks.barrier()
+    started = optimizer_started(optimizer)
     model_state, optimizer_state = get_state_dict(model, optimizer,
                                                   options=StateDictOptions(ignore_frozen_params=trainable_only))
+    if not started:  # get_state_dict gave it the state of one step at lr 0: the run goes on as if never saved
+        optimizer.state.clear()
     with _one_process_is_fine():
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging / STATE_DIR,
                  no_dist=not ranks.sharded)
@@ -117,7 +120,7 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if ranks.leader:
         torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state(), "step": state.step,
                     "policy_version": state.policy_version, "sync_failures": state.sync_failures,
-                    "extra": state.extra}, staging / STATE_FILE)
+                    "optimizer_started": started, "extra": state.extra}, staging / STATE_FILE)
         shutil.rmtree(path, ignore_errors=True)
         staging.rename(path)
     ranks.barrier()
@@ -146,10 +149,19 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=options)
     blob = torch.load(path / STATE_FILE, weights_only=False)
+    if not blob.get("optimizer_started", True):  # saved before its first step: as fresh as it was then
+        optimizer.state.clear()
     scheduler.load_state_dict(blob["scheduler"])
     _set_rng_state(blob["rng"])
     return TrainerState(step=blob["step"], policy_version=blob["policy_version"],
                         sync_failures=blob.get("sync_failures", 0), extra=blob["extra"])
+
+
+def optimizer_started(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has taken a step. torch's `get_state_dict` initialises the state of one that has not
+    (a step at lr 0: AdamW's step count 1, zero moments), which would change its next real step; a checkpoint
+    therefore records this, and neither saving nor loading one leaves that made-up state behind."""
+    return bool(optimizer.state)
 
 
 def export_model(weights: WeightSource, directory: Path, *, shard_bytes: int = SHARD_BYTES) -> Path:

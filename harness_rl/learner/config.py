@@ -52,6 +52,10 @@ class LearnerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "drop tokens sampled more than N policy versions ago; none: keep all")] = 4
     gradient_checkpointing: Annotated[bool, setting("trade compute for activation memory")] = False
     device: Annotated[str, setting("torch device of the learner; auto: cuda when available")] = "auto"
+    nproc_per_node: Annotated[AtLeastOne, setting(
+        "learner processes on this machine (one per GPU): train starts torchrun, the policy sharded with FSDP2 "
+        "across them, rank 0 running the engine, proxy and rollouts (several machines: torchrun --nnodes ... -m "
+        "harness_rl train, which ignores this)")] = 1
     attn_implementation: Annotated[str | None, setting("attention kernel; none: flash_attention_2 on CUDA when "
                                                        "installed, else sdpa", flag=None)] = None
     sync_every: Annotated[AtLeastOne, setting("push weights to the engine every N steps")] = 1

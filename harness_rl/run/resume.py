@@ -3,8 +3,8 @@
 The settings that define a run (its tasks, harness, model, seed, group size, sampling, learner and loss)
 are read back from the run and cannot change on resume: a flag or `--config` value that would change one is
 refused, naming it. Where the run runs and how it reports may change (`CHANGEABLE`: more steps, another
-save interval, the engine's new URL after a restart, the proxy's port, timeouts, logging); the run then
-records the new values in its config.toml.
+save interval, the engine's new URL after a restart, the proxy's port, the learner's processes, timeouts,
+logging); the run then records the new values in its config.toml.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ CHANGEABLE = frozenset({
     "rollouts.max_concurrent_rollouts", "rollouts.sandbox_start_attempts", "rollouts.sandbox_retry_backoff_s",
     "rollouts.delete_sessions",
     "learner.max_steps", "learner.token_budget", "learner.gradient_checkpointing", "learner.device",
+    "learner.nproc_per_node",
     "learner.attn_implementation", "learner.max_sync_failures", "learner.collective_timeout_s",
     "output.output_dir", "output.resume", "output.save_every", "output.save_total_limit", "output.report_to",
 })

@@ -112,11 +112,15 @@ class SchedulerState(msgspec.Struct, kw_only=True, frozen=True):
 
     `finished` groups (done, not yet handed to the learner) are kept whole, traces and policy versions
     included; `running` groups are sampled again on resume with the same group ids, so the same seeds.
+    `at_sync`: taken while a lockstep sync held the scheduler, so on resume new groups start at once, as the
+    sync's release starts them; otherwise (a step that synced nothing) a lockstep run starts none while a
+    restored group is out, as `next_group` would not.
     """
 
     next_group: int = 0
     finished: list[RolloutGroup] = []
     running: list[int] = []
+    at_sync: bool = False
 
 
 class RolloutScheduler:
@@ -196,13 +200,15 @@ class RolloutScheduler:
     def _fill(self) -> None:
         """Start what may start now: a restored state's groups first, then new groups within the limits."""
         if self._restored is not None:
-            for group in self._restored.finished:
+            restored, self._restored = self._restored, None
+            for group in restored.finished:
                 kept: asyncio.Future[RolloutGroup] = asyncio.get_running_loop().create_future()
                 kept.set_result(group)
                 self._groups[group.group_id] = kept
-            for group_id in self._restored.running:
+            for group_id in restored.running:
                 self._start(group_id)
-            self._restored = None
+            if self.config.lockstep and self._groups and not restored.at_sync:
+                return
         while not (self._held or self._closed) and self._room():
             self._start(self.groups_started)
             self.groups_started += 1
@@ -230,7 +236,7 @@ class RolloutScheduler:
         the state then, in which no group is running."""
         self._held = True
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
-        return self.state()
+        return msgspec.structs.replace(self.state(), at_sync=True)
 
     async def release(self) -> None:
         """Start groups again (after `hold`)."""

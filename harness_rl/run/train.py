@@ -274,6 +274,8 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         # The engine may still hold another run's weights (a vLLM kept between runs): it starts on ours, stamped
         # with our version, so nothing is sampled by weights the learner never had.
         learner.sync_weights()
+        if lockstep is not None:  # what a checkpoint keeps is a step's hold: this one's would be saved by a first
+            lockstep.take_held_state()  # step that pushes nothing (nothing to learn), and its groups run again
         metrics = MetricsLogger(output_dir, console=False, report_to=f"jsonl,{config.output.report_to}",
                                 resumed_after=None if checkpoint is None else checkpoint_step(checkpoint))
         return Run(config, output_dir, stack, learner, RunFiles(output_dir, stack.scheduler.harness.name), metrics,
