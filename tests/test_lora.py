@@ -139,14 +139,14 @@ def test_an_exported_model_in_several_shards_loads_as_the_policy(model_dir: Path
         assert torch.equal(mine, theirs), name
 
 
-def test_train_starts_itself_under_torchrun_without_its_own_flag() -> None:
+def test_train_starts_itself_under_torchrun_and_each_process_keeps_the_flag_for_config_toml() -> None:
     from harness_rl.commands.train import torchrun_command
 
     for argv in (["train", "--nproc-per-node", "4", "--max-steps", "3"], ["train", "--nproc-per-node=4",
                                                                            "--max-steps", "3"]):
         command = torchrun_command(4, argv)
         assert command[1:] == ["-m", "harness_rl.torchrun", "--standalone", "--nproc-per-node", "4", "-m",
-                               "harness_rl", "train", "--max-steps", "3"]
+                               "harness_rl", *argv]
 
 
 def test_lora_settings_are_checked_before_anything_starts(tiny_model_dir: Path) -> None:

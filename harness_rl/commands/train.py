@@ -118,13 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def torchrun_command(processes: int, argv: list[str]) -> list[str]:
-    """This command (`argv`, without --nproc-per-node) again under torchrun, one process per GPU of this machine."""
-    rest = []
-    skip = False
-    for arg in argv:
-        if skip or arg == "--nproc-per-node" or arg.startswith("--nproc-per-node="):
-            skip = arg == "--nproc-per-node"
-            continue
-        rest.append(arg)
+    """This command (`argv`) again under torchrun, one process per GPU of this machine. Each process gets the same
+    flags, `--nproc-per-node` among them, so rank 0 records it in the run's config.toml (a resume restarts torchrun
+    from it); torchrun sets LOCAL_RANK, so no process starts torchrun again."""
     return [sys.executable, "-m", "harness_rl.torchrun", "--standalone", "--nproc-per-node", str(processes),
-            "-m", "harness_rl", *rest]
+            "-m", "harness_rl", *argv]
