@@ -26,6 +26,7 @@ import pytest
 
 from harness_rl.learner.checkpoint import checkpoint_step, latest_checkpoint
 from harness_rl.run.config import resolve, to_toml
+from harness_rl.run.rollouts import SchedulerState
 from harness_rl.tools.vllm_server import VllmProcess
 
 TRAIN = [sys.executable, "-m", "harness_rl.cli", "train"]
@@ -132,34 +133,42 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_from_step_0(stra
     assert step_figures(run) == step_figures(straight_embedded)
 
 
-@pytest.mark.slow
-def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_kept(tmp_path: Path) -> None:
-    """Groups meet syncs as timing has it, so no uninterrupted run to compare with: the groups finished but not
-    yet trained when the checkpoint was taken come back whole (the same rollouts) at the next steps."""
+def kept_state(run: Path) -> tuple[int, SchedulerState]:
+    """The step of the run's latest checkpoint and the rollouts' state it keeps."""
     import msgspec
     import torch
 
     from harness_rl.learner.checkpoint import STATE_FILE
-    from harness_rl.run.rollouts import SchedulerState
     from harness_rl.run.train import ROLLOUT_STATE
 
-    run = tmp_path / "run"
-    stopped(run, [*STEPS, "--no-lockstep", "--max-concurrent-rollouts", "16"], signal.SIGINT, after=3)
     kept = latest_checkpoint(run)
     assert kept is not None
     extra = torch.load(kept / STATE_FILE, weights_only=False)["extra"]
-    state = msgspec.msgpack.decode(extra[ROLLOUT_STATE], type=SchedulerState)
-    assert state.finished or state.running
+    return checkpoint_step(kept), msgspec.msgpack.decode(extra[ROLLOUT_STATE], type=SchedulerState)
+
+
+@pytest.mark.slow
+def test_without_lockstep_a_resumed_run_first_trains_the_groups_its_checkpoint_kept(tmp_path: Path) -> None:
+    """Groups meet syncs as timing has it, so no uninterrupted run to compare with: after Ctrl-C and after kill -9,
+    the groups finished but not yet trained when the checkpoint was taken come back whole (the same rollouts)
+    at the next steps."""
+    run = tmp_path / "run"
+    stopped(run, [*STEPS, "--no-lockstep", "--max-concurrent-rollouts", "16"], signal.SIGINT, after=2)
+    states = [kept_state(run)]
+    stopped(run, ["--resume"], signal.SIGKILL, after=None)
+    states.append(kept_state(run))
+    assert any(state.finished or state.running for _, state in states)
     train(run, "--resume")
     assert sorted(step_figures(run)) == [1, 2, 3, 4, 5]
     records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
-    after = [r for r in records if r["step"] > checkpoint_step(kept)]
-    # Under load more groups may have finished than the two steps left can train: those trained come first, whole.
-    kept_groups = [g.group_id for g in state.finished for _ in g.outcomes]
-    first = [r["group_id"] for r in after][:len(kept_groups)]
-    assert first == kept_groups[:len(first)]
-    kept_rollouts = {o.rollout_id for g in state.finished for o in g.outcomes if g.group_id in set(first)}
-    assert kept_rollouts <= {r["rollout_id"] for r in after}
+    for step, state in states:
+        after = [r for r in records if r["step"] > step]
+        # Under load more groups may have finished than the steps left can train: those trained come first, whole.
+        kept_groups = [g.group_id for g in state.finished for _ in g.outcomes]
+        first = [r["group_id"] for r in after][:len(kept_groups)]
+        assert first == kept_groups[:len(first)]
+        kept_rollouts = {o.rollout_id for g in state.finished for o in g.outcomes if g.group_id in set(first)}
+        assert kept_rollouts <= {r["rollout_id"] for r in after}
 
 
 @pytest.fixture(scope="module")
