@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (EngineFacts("vllm", transfer="gloo"), "gloo"),  # the backend vLLM was started with
     (EngineFacts("vllm", cuda=False, transfer="nccl"), "nccl"),
     (EngineFacts("vllm"), "nccl"),
-    (EngineFacts("vllm", transfer="ipc"), "nccl"),  # a transfer no entry drives
+    (EngineFacts("vllm", transfer="ipc"), "ipc"),  # vLLM started to share the learner's GPU
+    (EngineFacts("vllm", transfer="sharded_rdt"), "nccl"),  # a transfer no entry drives
     (EngineFacts("vllm", cuda=False), "reload"),
 ])
 def test_auto_picks_the_backend_that_fits_the_engine(facts: EngineFacts, picked: str) -> None:
@@ -45,12 +46,12 @@ def test_auto_picks_the_backend_that_fits_the_engine(facts: EngineFacts, picked:
 
 def test_the_flag_and_each_kind_of_engine_keep_their_choices() -> None:
     field = next(f for f in msgspec.inspect.type_info(EngineConfig).fields if f.name == "weight_sync")
-    assert CHOICES == ("auto", "inprocess", "http", "nccl", "gloo", "reload", "lora", "none")
+    assert CHOICES == ("auto", "inprocess", "http", "nccl", "ipc", "gloo", "reload", "lora", "none")
     assert sorted(field.type.type.values) == sorted(CHOICES)  # the flag's choices (msgspec lists them sorted)
     assert {kind: choices_for(servers) for kind, servers in SERVERS.items()} == {
         "embedded": ("auto", "inprocess", "none"),
-        "vllm": ("auto", "nccl", "gloo", "reload", "lora", "none"),
-        "url": ("auto", "http", "nccl", "gloo", "reload", "lora", "none"),
+        "vllm": ("auto", "nccl", "ipc", "gloo", "reload", "lora", "none"),
+        "url": ("auto", "http", "nccl", "ipc", "gloo", "reload", "lora", "none"),
     }
     with pytest.raises(msgspec.ValidationError, match="weight_sync"):
         msgspec.convert({"weight_sync": "rsync"}, EngineConfig)
@@ -83,20 +84,23 @@ def test_each_entry_builds_its_sync(tmp_path: Path) -> None:
         for sync in built.values():
             sync.close()
     assert kinds == {"inprocess": "InProcessSync", "http": "HttpEngineSync", "nccl": "VllmTransferSync",
-                     "gloo": "VllmTransferSync", "reload": "ReloadSync", "lora": "LoraAdapterSync", "none": "NoSync"}
-    assert [(built[name].backend, built[name].dtype) for name in ("nccl", "gloo")] == [  # type: ignore[attr-defined]
-        ("nccl", torch.bfloat16), ("gloo", torch.bfloat16)]
+                     "ipc": "VllmTransferSync", "gloo": "VllmTransferSync", "reload": "ReloadSync",
+                     "lora": "LoraAdapterSync", "none": "NoSync"}
+    transfers = [(built[name].backend, built[name].dtype, built[name].rendezvous)  # type: ignore[attr-defined]
+                 for name in ("nccl", "ipc", "gloo")]
+    assert transfers == [("nccl", torch.bfloat16, True), ("ipc", torch.bfloat16, False),
+                         ("gloo", torch.bfloat16, True)]
 
 
 def test_a_new_backend_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A vLLM transfer backend added as one entry: auto follows a vLLM started with it, vLLM engines offer it."""
     nccl = BACKENDS["nccl"]
-    ipc = dataclasses.replace(nccl, name="ipc", transfer="ipc", auto_when=lambda facts: False)
-    monkeypatch.setitem(BACKENDS, "ipc", ipc)
-    assert resolve("auto", EngineFacts("vllm", transfer="ipc")) is ipc
+    rdt = dataclasses.replace(nccl, name="sharded_rdt", transfer="sharded_rdt", auto_when=lambda facts: False)
+    monkeypatch.setitem(BACKENDS, "sharded_rdt", rdt)
+    assert resolve("auto", EngineFacts("vllm", transfer="sharded_rdt")) is rdt
     assert resolve("auto", EngineFacts("vllm")) is nccl
-    assert "ipc" in choices_for(SERVERS["vllm"]) and "ipc" not in choices_for(SERVERS["embedded"])
-    assert sync_backends.transfer_plugin("ipc") is None and sync_backends.transfer_plugin("gloo") is not None
+    assert "sharded_rdt" in choices_for(SERVERS["vllm"]) and "sharded_rdt" not in choices_for(SERVERS["embedded"])
+    assert sync_backends.transfer_plugin("sharded_rdt") is None and sync_backends.transfer_plugin("gloo") is not None
 
 
 def test_no_module_but_the_table_compares_a_backends_name() -> None:
@@ -123,3 +127,23 @@ def test_every_entry_fits_some_engine_and_says_how_it_is_reached() -> None:
         assert isinstance(backend, SyncBackend) and backend.engines, backend.name
         assert backend.routes or backend.engines == ("in-process",) or not backend.moves_weights, backend.name
         assert backend.transfer is None or backend.routes, backend.name
+
+
+def test_a_colocated_backend_starts_vllm_with_what_sharing_the_gpu_needs(tiny_model_dir: Path) -> None:
+    """ipc: vLLM unpickles the handles only when allowed, and leaves the learner most of the GPU unless told
+    otherwise; a flag the user gives wins."""
+    from harness_rl.tools.vllm_server import vllm_launch
+
+    assert sync_backends.transfer_launch("ipc") == ({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+                                                    ("--gpu-memory-utilization", "0.4"))
+    assert sync_backends.transfer_launch("nccl") == ({}, ())
+    model = tiny_model_dir
+    launch = vllm_launch(model, python="python", cuda=True, weight_transfer="ipc")
+    assert launch.env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert launch.command[launch.command.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert '{"backend": "ipc"}' in launch.command
+    given = vllm_launch(model, python="python", cuda=True, weight_transfer="ipc",
+                        extra_args=["--gpu-memory-utilization", "0.25"])
+    assert given.command.count("--gpu-memory-utilization") == 1 and given.command[-1] == "0.25"
+    nccl = vllm_launch(model, python="python", cuda=True)
+    assert "--gpu-memory-utilization" not in nccl.command and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in nccl.env

@@ -60,7 +60,9 @@ MISTAKES: dict[str, Mistake] = {
     "zero learning rate": Mistake("train --learning-rate 0", 2, "--learning-rate: expected float > 0"),
     "negative staleness": Mistake("train --max-staleness -1", 2, "--max-staleness: expected int >= 0"),
     "unknown preset": Mistake("train --preset nosuch", 2, "argument --preset: invalid choice: 'nosuch'"),
-    "processes not a number": Mistake("train --nproc-per-node x", 2, "--nproc-per-node: invalid int value: 'x'"),
+    "processes not a number": Mistake("train --nproc-per-node x", 2,
+                                      "argument --nproc-per-node: expected int, got 'x'"),
+    "no processes": Mistake("train --nproc-per-node 0", 2, "--nproc-per-node: expected int >= 1"),
     "no temperature": Mistake("train --temperature none", 2, "--temperature: training needs one pinned sampling "
                                                              "temperature"),
     "schedule ends in warmup": Mistake("train --lr-scheduler cosine --warmup-steps 50", 2,
@@ -73,6 +75,12 @@ MISTAKES: dict[str, Mistake] = {
     "sync the embedded engine cannot take": Mistake("train --weight-sync nccl", 2,
                                                     "--weight-sync: 'nccl' does not fit --engine embedded; use one "
                                                     "of auto, inprocess, none"),
+    "GPU sharing with no GPU": Mistake("train --engine http://127.0.0.1:9 --weight-sync ipc", 2,
+                                       "--weight-sync: ipc shares a CUDA GPU with vLLM, and torch sees none on this "
+                                       "machine: on CPUs use gloo or reload"),
+    "GPU sharing with two learners": Mistake("train --engine http://127.0.0.1:9 --weight-sync ipc --nproc-per-node 2",
+                                             2, "--weight-sync: ipc shares one GPU between vLLM and one learner "
+                                                "process, not 2: use nccl"),
     "device not a name": Mistake("train --device gpu", 2, "--device: 'gpu' is not a device: use auto, cpu, cuda, "
                                                           "cuda:N or mps"),
     "a CUDA device not here": Mistake("train --device cuda:99", 2, "--device: cuda:99: torch sees"),

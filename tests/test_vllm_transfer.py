@@ -119,6 +119,47 @@ def test_a_push_pauses_runs_vllms_round_with_the_version_then_resets_and_resumes
     assert sync.timings.transfer > 0 and sync.timings.init > 0
 
 
+class FakeIpcStart:
+    """`start_trainer` as vLLM's CUDA IPC engine: no rendezvous (the init call alone), and a round that is
+    straight-line: start, one update carrying the handles, finish."""
+
+    def __init__(self, server: FakeVllm) -> None:
+        self.server = server
+        self.inits: list[TrainerInit] = []
+
+    def __call__(self, init: TrainerInit, client: TransferClient, weights: Callable[[], WeightSource],
+                 dtype: torch.dtype | None) -> FakeIpcStart:
+        self.inits.append(init)
+        self.server.trainer_joined.set()  # nothing to meet: the fake server's init returns at once
+        client.init_weight_transfer_engine({"packed": init.packed})
+        self.client, self.weights = client, weights
+        return self
+
+    def send_weights(self) -> None:
+        self.client.start_weight_update()
+        self.server.trainer_joined.set()
+        self.client.update_weights({"names": [m.name for m in self.weights().metadata()]})
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_colocated_push_joins_no_group_and_runs_the_same_round(vllm, model, loop):
+    """ipc: no world size asked and no rendezvous address; the round and the calls around it are nccl's."""
+    start = FakeIpcStart(vllm)
+    sync = VllmTransferSync(vllm.url, loop, backend="ipc", rendezvous=False, start_trainer=start,
+                            control_timeout_s=5, transfer_timeout_s=10)
+    sync.push(model, version=1)
+    sync.push(model, version=2)
+    sync.close()
+    assert vllm.calls == (["POST /init_weight_transfer_engine"] + PUSH_ORDER * 2
+                          + ["POST /shutdown_weight_transfer_engine"])
+    assert start.inits == [TrainerInit(backend="ipc", packed=True)]
+    assert vllm.bodies["/init_weight_transfer_engine"] == {"init_info": {"packed": True}}
+    assert vllm.bodies["/finish_weight_update"] == {"weight_version": "2"}
+
+
 @pytest.mark.parametrize("route", ["/pause", "/start_weight_update", "/update_weights",
                                    "/finish_weight_update", "/reset_prefix_cache"])
 def test_a_failing_step_is_named_and_the_engine_still_finishes_and_resumes(vllm, model, route, loop):

