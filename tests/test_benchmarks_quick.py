@@ -66,3 +66,20 @@ def test_quick_mode_runs_and_prints_its_figures(script: Path, request: pytest.Fi
     print(done.stdout)  # the figures, shown with -s
     assert done.returncode == 0, done.stderr[-4000:]
     assert LOAD.search(done.stdout), done.stdout[-2000:]
+
+
+def test_the_gpu_check_plans_what_one_gpu_can_prove() -> None:
+    """One GPU runs everything but what needs two (FSDP2 across GPUs, nccl into vLLM on another GPU): ipc into a
+    vLLM on the same GPU, a 20-step ipc run and a LoRA run included; none runs without CUDA, and none that
+    needs vLLM without it."""
+    from learner_gpu_check import sections
+
+    def runs(gpus: int, vllm: bool) -> list[str]:
+        return [number for number, (_, why_not) in sections(gpus, vllm).items() if why_not is None]
+
+    assert runs(1, True) == ["1", "2", "4a", "5", "6"]
+    assert runs(2, True) == ["1", "2", "3", "4a", "4b", "5", "6"]
+    assert runs(1, False) == ["1", "2"] and runs(0, True) == []
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "learner_gpu_check.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "4a. ipc into vLLM on the learner's GPU" in done.stdout, done.stderr[-2000:]
