@@ -225,10 +225,11 @@ def test_ipc_handles_travel_as_json_that_vllms_own_update_info_reads_back(vllm_t
         IPCWeightTransferUpdateInfo(**sent[0])  # type: ignore[arg-type]
 
 
-def test_ipc_joins_with_vllms_own_init_info_and_a_buffer_that_holds_the_largest_tensor(
+def test_a_backend_joins_with_its_own_init_info_and_a_buffer_that_holds_the_largest_tensor(
         vllm_trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An 8B model's embedding in bfloat16 (1.2 GB) is over vLLM's 1 GiB packed IPC buffer, which refuses a tensor
-    that does not fit: the buffer is sized to it. On a machine without CUDA vLLM's IPC engine cannot start."""
+    """ipc with vLLM's IPCTrainerInitInfo: an 8B model's embedding in bfloat16 (1.2 GB) is over vLLM's 1 GiB packed
+    IPC buffer, which refuses a tensor that does not fit, so the buffer is sized to it; gloo with its plugin's
+    init info. On a machine without CUDA vLLM's IPC engine cannot start."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
@@ -253,6 +254,20 @@ def test_ipc_joins_with_vllms_own_init_info_and_a_buffer_that_holds_the_largest_
     (info, wrapped), = started
     assert info == IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=151936 * 4096 * 2)
     assert isinstance(wrapped, vllm_trainer.HandlesOverJson) and wrapped.client is client
+    gloo = TrainerInit(backend="gloo", plugin=transfer_plugin("gloo"), master_address="127.0.0.1", master_port=29511,
+                       world_size=2, packed=True, packed_num_buffers=3)
+    nccl_engine = vllm_trainer.NCCLTrainerWeightTransferEngine
+
+    def nccl_init(info: object, *, client: object, source: object) -> object:
+        started.append((info, client))
+        return nccl_engine.__new__(nccl_engine)
+
+    with monkeypatch.context() as patched:  # a plugin's backend joins with the plugin's own init info
+        patched.setattr(WeightTransferTrainerFactory, "trainer_init", nccl_init)
+        vllm_trainer.start_trainer(gloo, client, lambda: WeightSource(torch.nn.Linear(2, 2)), None)
+    info_type = importlib.import_module("harness_rl.learner.vllm_gloo").TRAINER_INIT_INFO
+    assert started[-1][0] == info_type(master_address="127.0.0.1", master_port=29511, world_size=2, rank=0,
+                                       packed=True, packed_num_buffers=3)  # vLLM's default buffer: 8 bytes fit
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="accelerator"):
             vllm_trainer.start_trainer(TrainerInit(backend="ipc", packed=True), client,

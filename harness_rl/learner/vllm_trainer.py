@@ -108,11 +108,12 @@ def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient,
     The init info is the backend's own type, given the fields of `init` it has; a packed buffer holds at least
     the largest tensor (vLLM's CUDA IPC producer refuses one that does not fit: an 8B model's embedding in
     bfloat16 is 1.2 GB, over its 1 GiB default)."""
-    info_type: type = INIT_INFO[init.backend]
     if init.plugin is not None:  # a backend of ours, added to vLLM's factories (`gloo`)
         module = importlib.import_module(init.plugin)
         module.register()
-        info_type = module.TRAINER_INIT_INFO
+        info_type: type = module.TRAINER_INIT_INFO
+    else:
+        info_type = INIT_INFO[init.backend]
     source = LearnerWeights(weights, dtype)
     largest = max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
     given = {"rank": init.rank, "packed": init.packed, "master_address": init.master_address,
