@@ -12,6 +12,7 @@ import pickle
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
@@ -115,15 +116,14 @@ def start_trainer(init: TrainerInit, client: VLLMWeightSyncClient,
     else:
         info_type = INIT_INFO[init.backend]
     source = LearnerWeights(weights, dtype)
-    largest = max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
-    given = {"rank": init.rank, "packed": init.packed, "master_address": init.master_address,
-             "master_port": init.master_port, "world_size": init.world_size,
-             "packed_buffer_size_bytes": init.packed_buffer_size_bytes, "packed_num_buffers": init.packed_num_buffers}
     fields = {field.name: field for field in dataclasses.fields(info_type)}
+    given = {name: value for name, value in msgspec.structs.asdict(init).items()
+             if name in fields and value is not None}
     buffer = fields.get("packed_buffer_size_bytes")
-    if init.packed and init.packed_buffer_size_bytes is None and buffer is not None and isinstance(buffer.default, int):
-        given["packed_buffer_size_bytes"] = max(largest, buffer.default)
-    info = info_type(**{name: value for name, value in given.items() if name in fields and value is not None})
+    if init.packed and buffer is not None and isinstance(buffer.default, int) and buffer.name not in given:
+        largest = max((math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()), default=0)
+        given[buffer.name] = max(largest, buffer.default)
+    info = info_type(**given)
     assert info.backend == init.backend, (info.backend, init.backend)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=HandlesOverJson(client), source=source)
     assert isinstance(engine, NCCLTrainerWeightTransferEngine | IPCTrainerWeightTransferEngine)  # gloo's is NCCL's

@@ -234,7 +234,7 @@ def _check_colocated(name: str, config: RunConfig) -> None:
     if processes > 1:
         raise ConfigError("--weight-sync", f"{name} shares one GPU between vLLM and one learner process, not "
                                            f"{processes}: use nccl (vLLM on GPUs of its own)")
-    if config.learner.device == "cpu" or config.learner.device == "mps":
+    if config.learner.device in ("cpu", "mps"):
         raise ConfigError("--weight-sync", f"{name} shares a CUDA GPU with vLLM: the learner cannot be on "
                                            f"--device {config.learner.device}")
     import torch
