@@ -23,6 +23,7 @@ class FakeVllm:
         self.bodies: dict[str, object] = {}
         self.fail: dict[str, int] = {}
         self.hang: set[str] = set()
+        self.transfer_backend: str | None = None  # what /server_info says vLLM was started with (None: no answer)
         self.trainer_joined = threading.Event()
         self.server_joined = threading.Event()
         self.port = free_port()
@@ -44,6 +45,10 @@ class FakeVllm:
             self.trainer_joined.clear()
             if not joined:
                 return web.json_response({"error": "trainer never joined"}, status=500)
+        if route == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        if route == "/server_info" and self.transfer_backend is not None:
+            return web.json_response({"vllm_config": {"weight_transfer_config": {"backend": self.transfer_backend}}})
         if route == "/get_world_size":
             return web.json_response({"world_size": 2})
         if route == "/admin/pause":

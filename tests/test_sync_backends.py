@@ -16,9 +16,11 @@ from harness_rl.learner.sync_backends import (
     AT_URL,
     BACKENDS,
     CHOICES,
+    UNDRIVEN,
     EngineFacts,
     SyncBackend,
     choices_for,
+    colocated_refusal,
     resolve,
     syncs_adapter,
 )
@@ -36,12 +38,37 @@ ROOT = Path(__file__).resolve().parents[1]
     (EngineFacts("vllm", cuda=False, transfer="nccl"), "nccl"),
     (EngineFacts("vllm"), "nccl"),
     (EngineFacts("vllm", transfer="ipc"), "ipc"),  # vLLM started to share the learner's GPU
-    (EngineFacts("vllm", transfer="sharded_rdt"), "nccl"),  # a transfer no entry drives
     (EngineFacts("vllm", cuda=False), "reload"),
 ])
 def test_auto_picks_the_backend_that_fits_the_engine(facts: EngineFacts, picked: str) -> None:
     assert resolve("auto", facts).name == picked
     assert resolve("reload", facts).name == "reload"  # a backend asked for is the one used
+
+
+@pytest.mark.parametrize("transfer", sorted(UNDRIVEN))
+def test_auto_refuses_a_vllm_started_with_a_transfer_no_entry_drives(transfer: str) -> None:
+    """Not the broadcast backend in its place (vLLM would wait for a trainer that never joins its way): the reason."""
+    with pytest.raises(LookupError) as refused:
+        resolve("auto", EngineFacts("vllm", transfer=transfer))
+    assert str(refused.value) == UNDRIVEN[transfer] and transfer in UNDRIVEN[transfer]
+    assert "\n" not in UNDRIVEN[transfer] and not set(UNDRIVEN) & set(sync_backends.vllm_transfers())
+
+
+@pytest.mark.parametrize("layout,refusal", [
+    (dict(processes=1, device="cuda", cuda=True, foreign_url=None), None),
+    (dict(processes=1, device="auto", cuda=True, foreign_url=None), None),
+    (dict(processes=2, device="cuda", cuda=True, foreign_url=None),
+     "ipc shares one GPU between vLLM and one learner process, not 2: use nccl (vLLM on GPUs of its own)"),
+    (dict(processes=1, device="cpu", cuda=True, foreign_url=None),
+     "ipc shares a CUDA GPU with vLLM: the learner cannot be on --device cpu"),
+    (dict(processes=1, device="auto", cuda=False, foreign_url=None),
+     "ipc shares a CUDA GPU with vLLM, and torch sees none on this machine: on CPUs use gloo or reload"),
+    (dict(processes=1, device="cuda", cuda=True, foreign_url="http://gpu-box:8000"),
+     "ipc shares this machine's GPU with vLLM, and http://gpu-box:8000 is not on this machine: serve vLLM here "
+     "(127.0.0.1), or use nccl"),
+])
+def test_gpu_sharing_is_refused_in_each_layout_it_cannot_serve(layout: dict, refusal: str | None) -> None:
+    assert colocated_refusal("ipc", **layout) == refusal
 
 
 def test_the_flag_and_each_kind_of_engine_keep_their_choices() -> None:
@@ -95,12 +122,12 @@ def test_each_entry_builds_its_sync(tmp_path: Path) -> None:
 def test_a_new_backend_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A vLLM transfer backend added as one entry: auto follows a vLLM started with it, vLLM engines offer it."""
     nccl = BACKENDS["nccl"]
-    rdt = dataclasses.replace(nccl, name="sharded_rdt", transfer="sharded_rdt", auto_when=lambda facts: False)
-    monkeypatch.setitem(BACKENDS, "sharded_rdt", rdt)
-    assert resolve("auto", EngineFacts("vllm", transfer="sharded_rdt")) is rdt
+    new = dataclasses.replace(nccl, name="mooncake", transfer="mooncake", auto_when=lambda facts: False)
+    monkeypatch.setitem(BACKENDS, "mooncake", new)
+    assert resolve("auto", EngineFacts("vllm", transfer="mooncake")) is new
     assert resolve("auto", EngineFacts("vllm")) is nccl
-    assert "sharded_rdt" in choices_for(SERVERS["vllm"]) and "sharded_rdt" not in choices_for(SERVERS["embedded"])
-    assert sync_backends.transfer_plugin("sharded_rdt") is None and sync_backends.transfer_plugin("gloo") is not None
+    assert "mooncake" in choices_for(SERVERS["vllm"]) and "mooncake" not in choices_for(SERVERS["embedded"])
+    assert sync_backends.transfer_plugin("mooncake") is None and sync_backends.transfer_plugin("gloo") is not None
 
 
 def test_no_module_but_the_table_compares_a_backends_name() -> None:

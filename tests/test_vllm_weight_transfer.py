@@ -11,6 +11,7 @@ import ast
 import asyncio
 import importlib
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -23,8 +24,9 @@ import torch
 from vllm_fixtures import vllm_get, vllm_log_routes, vllm_venv_python
 
 from harness_rl.background import BackgroundLoop
-from harness_rl.learner.sync_backends import transfer_plugin
+from harness_rl.learner.sync_backends import UNDRIVEN, transfer_plugin, vllm_transfers
 from harness_rl.learner.vllm_transfer import (
+    VLLM_M2N_API,
     VLLM_TRAINER_API,
     TransferClient,
     VllmTransferSync,
@@ -36,6 +38,7 @@ from harness_rl.learner.weight_sync import EngineControl, WeightSyncError, free_
 from harness_rl.tools.vllm_server import VllmProcess
 
 pytestmark = [pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
 ROUND = ["POST /pause", "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update",
          "POST /reset_prefix_cache", "POST /resume"]
 
@@ -67,6 +70,53 @@ def test_vllm_has_every_trainer_side_name_the_learner_uses(vllm_trainer: ModuleT
     client = TransferClient(EngineControl("http://127.0.0.1:1", 1), loop, 1)
     assert isinstance(client, VLLMWeightSyncClient)  # vLLM's client protocol, structurally
     importlib.import_module("harness_rl.learner.vllm_gloo")  # the stand-in subclasses vLLM's engines: it imports too
+
+
+def test_every_transfer_vllm_offers_is_driven_or_refused_with_its_reason(vllm_trainer: ModuleType) -> None:
+    """vLLM's trainer-side registry against ours: a vLLM started with any backend it offers gets either a backend
+    that drives it or a one-line reason (`UNDRIVEN`); and the names that reason for nccl_m2n rests on exist."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    offered = set(WeightTransferTrainerFactory._registry)
+    assert set(vllm_transfers()) - {"gloo"} <= offered  # gloo: registered by our plugin when imported
+    assert offered - set(vllm_transfers()) == set(UNDRIVEN)
+    assert check_vllm_api(api=VLLM_M2N_API) == []
+
+
+def m2n_view(model_dir: Path, out: Path) -> list[dict]:
+    """Each of two FSDP2 ranks as vLLM's nccl_m2n source and layout check see it (tests/m2n_layout_worker.py)."""
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "tests" / "m2n_layout_worker.py"), str(model_dir), str(out), str(vllm_venv_python())]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("vocab", [96, 97])
+def test_vllms_m2n_source_reads_an_fsdp2_learner_and_refuses_its_uneven_shards(
+        vllm_trainer: ModuleType, tmp_path: Path, vocab: int) -> None:
+    """What docs/scaling.md says of nccl_m2n, measured with vLLM's own code on the learner's real FSDP2 layout
+    (two gloo ranks): one mesh of two ranks, every parameter sharded on dim 0 and read without a gather; a dimension
+    that two ranks do not divide (a vocabulary of 97) refused for exactly the tensors that have it; and M2N's
+    runtime (nccl-extensions) absent from vLLM's build."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    ranks = m2n_view(tmp_path / "model", tmp_path / "out")
+    uneven = {"model.embed_tokens.weight", "lm_head.weight"} if vocab % 2 else set()
+    for rank, view in enumerate(ranks):
+        assert view["mesh"] == [2, 1]
+        assert all(placement == [0, -1] for placement in view["placements"].values())  # Shard(0), M2N's codes
+        assert set(view["refused"]) == uneven
+        assert all("does not divide evenly" in refusal for refusal in view["refused"].values())
+        assert "nccl-extensions" in view["runtime"]
+        assert view["local_shapes"]["model.embed_tokens.weight"] == [(vocab + 1) // 2 if rank == 0 else vocab // 2, 64]
+        assert view["local_shapes"]["model.layers.0.mlp.up_proj.weight"] == [64, 64]
 
 
 @pytest.mark.parametrize("swap", ["name", "member"])

@@ -156,6 +156,18 @@ BACKENDS: dict[str, SyncBackend] = {backend.name: backend for backend in (
 )}
 CHOICES: tuple[str, ...] = (AUTO, *BACKENDS)
 
+# vLLM weight-transfer backends no entry drives, and why: a run against a vLLM started with one is refused with
+# this reason instead of failing inside vLLM's transfer (docs/scaling.md says more).
+UNDRIVEN: dict[str, str] = {
+    "nccl_m2n": "vLLM's nccl_m2n (each learner rank sends its own FSDP shard) is not driven by harness-rl: it needs "
+                "NVIDIA's nccl-extensions (NCCL >= 2.30.5) beside vLLM and the learner, and every learner rank "
+                "driving vLLM's trainer engine, where harness-rl pushes from rank 0; start vLLM with nccl or ipc",
+    "sparse_nccl": "vLLM's sparse_nccl sends the elements a step changed, and a full fine-tuning step changes nearly "
+                   "all of them; start vLLM with nccl or ipc",
+    "sharded_rdt": "vLLM's sharded_rdt has vLLM pull weights over NIXL from Ray actors, and harness-rl runs no Ray; "
+                   "start vLLM with nccl or ipc",
+}
+
 if TYPE_CHECKING:
     SyncChoice = str
 else:
@@ -179,6 +191,8 @@ def resolve(choice: str, facts: EngineFacts) -> SyncBackend:
     chosen = named(choice)
     if chosen is not None:
         return chosen
+    if facts.transfer in UNDRIVEN:
+        raise LookupError(UNDRIVEN[facts.transfer])
     fitting = [b for b in BACKENDS.values() if facts.server in b.engines and b.moves_weights]
     if len(fitting) == 1:
         return fitting[0]
@@ -192,6 +206,24 @@ def resolve(choice: str, facts: EngineFacts) -> SyncBackend:
             if rule(backend):
                 return backend
     raise LookupError(f"no weight-sync backend fits {facts}")
+
+
+def colocated_refusal(name: str, *, processes: int, device: str, cuda: bool, foreign_url: str | None) -> str | None:
+    """Why a backend that shares the learner's GPU with vLLM (CUDA IPC) cannot run in this layout, or None: it needs
+    one learner process (vLLM's IPC engine gathers handles over every learner process, each needing a vLLM worker
+    on its own GPU, which a run does not lay out), on CUDA, and vLLM on this machine (`foreign_url`: an engine's
+    URL that is not)."""
+    if processes > 1:
+        return f"{name} shares one GPU between vLLM and one learner process, not {processes}: use nccl (vLLM on GPUs " \
+               "of its own)"
+    if device in ("cpu", "mps"):
+        return f"{name} shares a CUDA GPU with vLLM: the learner cannot be on --device {device}"
+    if not cuda:
+        return f"{name} shares a CUDA GPU with vLLM, and torch sees none on this machine: on CPUs use gloo or reload"
+    if foreign_url is not None:
+        return f"{name} shares this machine's GPU with vLLM, and {foreign_url} is not on this machine: serve vLLM " \
+               "here (127.0.0.1), or use nccl"
+    return None
 
 
 def syncs_adapter(choice: str, servers: tuple[EngineServer, ...]) -> bool:

@@ -72,6 +72,21 @@ VLLM_TRAINER_API: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# What harness-rl's account of vLLM's `nccl_m2n` rests on (`sync_backends.UNDRIVEN`, docs/scaling.md): the trainer
+# engine every learner rank would drive, its init info, the source that reads FSDP2's shards without gathering,
+# the layout check that refuses uneven shards, and the import that needs nccl-extensions. No run imports these;
+# the contract test checks them, and checks an FSDP2 learner's layout with vLLM's own source and check.
+VLLM_M2N_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm.distributed.weight_transfer.m2n_trainer": {
+        "M2NTrainerInitInfo": ("backend", "rank", "world_size", "num_trainer_ranks", "dst_mesh_dims",
+                               "master_address", "master_port"),
+        "M2NTrainerWeightTransferEngine": ("trainer_init", "send_weights", "shutdown"),
+    },
+    "vllm.distributed.weight_transfer.m2n_source": {"DTensorModuleSource": ("mesh", "metadata", "__iter__")},
+    "vllm.distributed.weight_transfer.m2n_common": {"import_m2n": (), "resolve_layout": (), "validate_layout": ()},
+}
+
+
 class TrainerInit(msgspec.Struct, frozen=True, kw_only=True):
     """What the trainer joins vLLM's transfer group with; None packing fields take vLLM's defaults."""
 
@@ -366,10 +381,12 @@ def vllm_version() -> str:
     return ""
 
 
-def check_vllm_api(import_module: Callable[[str], Any] = importlib.import_module) -> list[str]:
-    """What `VLLM_TRAINER_API` names that the importable vLLM lacks (`module.Name` or `module.Name.member`)."""
+def check_vllm_api(import_module: Callable[[str], Any] = importlib.import_module,
+                   api: dict[str, dict[str, tuple[str, ...]]] = VLLM_TRAINER_API) -> list[str]:
+    """What `api` (the learner's: `VLLM_TRAINER_API`) names that the importable vLLM lacks (`module.Name` or
+    `module.Name.member`)."""
     missing = []
-    for module_name, names in VLLM_TRAINER_API.items():
+    for module_name, names in api.items():
         try:
             module = import_module(module_name)
         except ImportError:

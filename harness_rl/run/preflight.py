@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from harness_rl.learner.sync_backends import BACKENDS, choices_for, named, syncs_adapter
+from harness_rl.learner.sync_backends import AUTO, BACKENDS, choices_for, colocated_refusal, named, syncs_adapter
 from harness_rl.run.config import EvalConfig, RunConfig
 from harness_rl.run.engines import SERVERS
 from harness_rl.run.presets import BUILT_MODELS
@@ -114,6 +114,8 @@ def _check_engine(config: RunConfig) -> None:
                 reach_engine(url)
             except NotAnEngine as exc:
                 raise ConfigError("--engine", str(exc)) from None
+            if settings.weight_sync == AUTO:
+                _check_auto_at(url, config)
 
 
 def _check_rollouts(config: RunConfig) -> None:
@@ -226,31 +228,38 @@ def _check_output(config: RunConfig) -> None:
                                           "harness-rl's to continue or start again; choose another directory")
 
 
+def _check_auto_at(url: str, config: RunConfig) -> None:
+    """What `auto` picks for the engine at `url` (it follows the transfer a vLLM was started with) can serve this
+    run: a transfer harness-rl drives, and for GPU sharing the layout `--weight-sync ipc` would need."""
+    from harness_rl.run.engines import RunStopped, backend_at_url
+
+    try:
+        backend, _ = backend_at_url(config.engine, url, lora=config.learner.lora_rank > 0)
+    except RunStopped as exc:
+        raise ConfigError("--engine", f"{url}: {exc}") from None
+    refusal = colocated_problem(backend.name, config) if backend.colocated else None
+    if refusal is not None:
+        raise ConfigError("--weight-sync", f"auto picks {backend.name} for {url} (the weight transfer it was started "
+                                           f"with), and {refusal}")
+
+
 def _check_colocated(name: str, config: RunConfig) -> None:
-    """A backend that shares the learner's GPU with vLLM (CUDA IPC): one learner process, on a CUDA device of this
-    machine, and vLLM on this machine too. vLLM's IPC engine gathers handles over every learner process, each
-    needing a vLLM worker on its own GPU, which a run does not lay out."""
-    processes = max(config.learner.nproc_per_node, int(os.environ.get("WORLD_SIZE", "1")))
-    if processes > 1:
-        raise ConfigError("--weight-sync", f"{name} shares one GPU between vLLM and one learner process, not "
-                                           f"{processes}: use nccl (vLLM on GPUs of its own)")
-    if config.learner.device in ("cpu", "mps"):
-        raise ConfigError("--weight-sync", f"{name} shares a CUDA GPU with vLLM: the learner cannot be on "
-                                           f"--device {config.learner.device}")
+    refusal = colocated_problem(name, config)
+    if refusal is not None:
+        raise ConfigError("--weight-sync", refusal)
+
+
+def colocated_problem(name: str, config: RunConfig) -> str | None:
+    """Why this run's layout cannot share the learner's GPU with vLLM (`sync_backends.colocated_refusal`): checked
+    for an explicit --weight-sync before anything starts, and for `auto` once the engine says how it was started."""
     import torch
 
-    if not torch.cuda.is_available():
-        raise ConfigError("--weight-sync", f"{name} shares a CUDA GPU with vLLM, and torch sees none on this "
-                                           "machine: on CPUs use gloo or reload")
-    from urllib.parse import urlparse
+    from harness_rl.run.rollouts import off_this_machine
 
-    from harness_rl.run.rollouts import LOOPBACK_HOSTS
-
-    foreign = [url for url in config.engine.engine
-               if url.startswith("http") and (urlparse(url).hostname or "") not in LOOPBACK_HOSTS]
-    if foreign:
-        raise ConfigError("--weight-sync", f"{name} shares this machine's GPU with vLLM, and {foreign[0]} is not "
-                                           "on this machine: serve vLLM here (127.0.0.1), or use nccl")
+    processes = max(config.learner.nproc_per_node, int(os.environ.get("WORLD_SIZE", "1")))
+    foreign = [url for url in config.engine.engine if off_this_machine(url)]
+    return colocated_refusal(name, processes=processes, device=config.learner.device, cuda=torch.cuda.is_available(),
+                             foreign_url=foreign[0] if foreign else None)
 
 
 def _check_device(device: str) -> None:

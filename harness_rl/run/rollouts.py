@@ -62,6 +62,11 @@ DEFAULT_AGENT_TIMEOUT_S = 600.0
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
+def off_this_machine(url: str) -> bool:
+    """An HTTP URL whose host is not this machine's loopback."""
+    return url.startswith("http") and (urlparse(url).hostname or "") not in LOOPBACK_HOSTS
+
+
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     harness: Annotated[str, setting("agent CLI that runs each rollout (`harness-rl harnesses` lists them)")] \
         = "opencode"
