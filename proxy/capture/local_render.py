@@ -60,6 +60,9 @@ _PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content"
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "look", "description": "Look at a thing.",
                                                   "parameters": {"type": "object",
                                                                  "properties": {"at": {"type": "string"}}}}}]
+# For a template that refuses tool messages (Gemma 3's: roles must alternate user and assistant): no tools.
+_PLAIN_PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Look."},
+                {"role": "assistant", "content": ""}, {"role": "user", "content": "More."}]
 
 
 class LocalTemplateError(Exception):
@@ -165,14 +168,20 @@ class LocalRendering:
     async def ready(self) -> bool:
         """Whether local renders can be used: the probe conversation, rendered by the engine, decides once."""
         if self.off is None and self.format is None:
-            probe = ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in _PROBE],
-                               tools=msgspec.Raw(msgspec.json.encode(_PROBE_TOOLS)), add_generation_prompt=True)
-            try:
-                engine = await self.engine.render(probe)
-            except ProxyError as exc:
-                if exc.status >= 500:
-                    raise
-                self.turn_off(f"the engine cannot render the probe conversation: {exc.message}")
+            refused: list[str] = []
+            for messages, tools in ((_PROBE, _PROBE_TOOLS), (_PLAIN_PROBE, None)):
+                probe = ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in messages],
+                                   tools=msgspec.Raw(msgspec.json.encode(tools)) if tools else None,
+                                   add_generation_prompt=True)
+                try:
+                    engine = await self.engine.render(probe)
+                    break
+                except ProxyError as exc:
+                    if exc.status >= 500:
+                        raise
+                    refused.append(exc.message)
+            else:
+                self.turn_off(f"the engine cannot render the probe conversations: {'; '.join(refused)}")
                 return False
             formats: tuple[ContentFormat, ...] = ("string", "openai")
             agreeing = [f for f in formats if (ours := self.template.render(probe, f)) is not None and ours == engine]

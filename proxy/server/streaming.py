@@ -4,9 +4,11 @@ The pipeline's steps, streamed: the prompt is made as for any call; the engine s
 `stream: true`; the engine's own parsers read the growing answer (`TextReader`) and each reasoning
 or content delta goes to the agent at once. When the engine is done, the sample is checked as a whole
 (ids against logprobs, counts against the closing usage), the parsers read its last ids with the finish,
-and what they read in all is the reply (as vLLM's chat route answers a streaming request: no second,
-whole reading); the turn is recorded, and only then do the text not yet sent, the tool calls and the
-finish go out, in one send. An answer the engine finished before its first read, and a streaming read
+and what they read in all is the reply (as vLLM's chat route answers a streaming request), unless its tool
+calls differ from one whole reading of the answer, made beside that last read: vLLM streams a token at a
+time, and some families' parsers (DeepSeek-V3's) lose a tool call, and the text before it, when a read
+brings several ids at once. The turn is recorded, and only then do the text not yet sent, the tool calls
+and the finish go out, in one send. An answer the engine finished before its first read, and a streaming read
 that fails, leave the answer to one whole reading: concatenated, the streamed text is the recorded
 reply, always, so text the parsers let out early that the whole reading disagrees with fails the call
 (the turn stays, with mask 0).
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 
+from harness_rl.trace import Reply
 from proxy.capture.session import Session
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
@@ -45,6 +49,7 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
     reader = TextReader(engine, prepared.parsing, prompt, prepared.stops, pipeline.config.stream_read_s,
                         lambda kind, text: emit(Text(kind, text)))
     reading = asyncio.ensure_future(reader.run())
+    whole: asyncio.Future[Reply] | None = None
     reads_hold_all = False
     try:
         async with SampleStream(engine, prompt, prepared.params) as stream:
@@ -54,16 +59,22 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
         if cut and not stream.ids:
             raise ProxyError(499, "the agent left before the engine sampled a token; nothing was recorded")
         sample = stream.partial() if cut else stream.sample()
+        whole = asyncio.ensure_future(pipeline.read(prepared, sample))  # beside the last streaming read
         if not cut:
             reader.finish(last[:-1] if sample.ends_with_stop_token else last, sample.finish_reason)
             reads_hold_all = await reading
+        whole_reply = await whole
     finally:
-        if not reading.done():
-            reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reading
-    # the streaming reads are the answer; when they stopped short, never began or the agent left, it is read whole
-    reply = reader.reply(sample.stop_reason) if not cut and reads_hold_all else await pipeline.read(prepared, sample)
+        for task in (reading, whole):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    # the streaming reads are the answer, unless their tool calls differ from the whole reading's (a parser fed
+    # several ids at once can lose a call vLLM's per-token stream keeps); when they stopped short, never began or
+    # the agent left, it is read whole
+    streamed = reader.reply(sample.stop_reason) if not cut and reads_hold_all else None
+    reply = streamed if streamed is not None and _same_calls(streamed, whole_reply) else whole_reply
     rest = {"reasoning": _rest(reader.sent["reasoning"], reply.reasoning), "content": _rest(reader.sent["content"],
                                                                                           reply.content)}
     answer, node_id = pipeline.record(session, call, harness, prepared, sample, reply, answer_id)
@@ -104,6 +115,19 @@ async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event)
     finally:
         leaving.cancel()
         feeding.cancel()
+
+
+def _same_calls(a: Reply, b: Reply) -> bool:
+    """The same tool calls, by name and arguments (ids are the engine's to draw)."""
+    return [(c.name, _arguments(c.arguments)) for c in a.tool_calls] == [(c.name, _arguments(c.arguments))
+                                                                          for c in b.tool_calls]
+
+
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _rest(sent: str, final: str | None) -> str | None:

