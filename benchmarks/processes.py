@@ -100,10 +100,12 @@ def wait_health(url: str, process: subprocess.Popen, timeout: float = 60) -> Non
     raise RuntimeError(f"{url} did not come up")
 
 
-def start_engine(model_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(model_dir: Path, served_root: str | None = None) -> tuple[subprocess.Popen, str]:
     """The fake engine, rendering with the tiny model's tokenizer and template (which it names, so a proxy beside
-    it renders prompts itself, as beside a vLLM on the same machine)."""
-    process = subprocess.Popen([PYTHON, str(ROOT / "tests" / "fake_engine.py"), "--model-dir", str(model_dir)],
+    it renders prompts itself, as beside a vLLM on the same machine); with `served_root`, naming that hub id
+    instead, as `vllm serve ORG/NAME` does."""
+    process = subprocess.Popen([PYTHON, str(ROOT / "tests" / "fake_engine.py"), "--model-dir", str(model_dir),
+                                *(["--served-root", served_root] if served_root else [])],
                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     STARTED.append(process)
     return process, process.stdout.readline().decode().strip()
@@ -131,12 +133,13 @@ def start_openenv(engine: str, work: Path) -> Target:
     return Target("OpenEnv capture proxy", process, url, "openenv", gc_stats=stats)
 
 
-def start_ours(engine: str, work: Path, *flags: str) -> Target:
+def start_ours(engine: str, work: Path, *flags: str, env: dict[str, str] | None = None) -> Target:
     stats = work / f"ours-gc-{time.monotonic_ns()}.json"
     process = subprocess.Popen(
         [PYTHON, "-c", GC_WRAPPER, "harness_rl.cli", "serve", "proxy", "--upstream", engine, "--port", "0",
          "--store", str(work / "store"), "--no-engine-check", *flags],
-        env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench"}, stdout=subprocess.PIPE,
+        env={**os.environ, "GC_STATS": str(stats), "HARNESS_RL_ADMIN_TOKEN": "bench", **(env or {})},
+        stdout=subprocess.PIPE,
         stderr=(work / f"ours-{time.monotonic_ns()}.log").open("wb"))
     STARTED.append(process)
     url = process.stdout.readline().decode().split()[3]

@@ -24,6 +24,9 @@ its own process under the same small wrapper that times every garbage collection
   splice         an agent that sends its own replies back (a conversation growing to 400 turns), through
                  our proxy with token in/token out on and off, interleaved: what splicing adds per turn,
                  early and late, and the proxy CPU per turn in each mode
+  hub id         the engine serving a hub id (`vllm serve org/tiny`: its model root no directory here), the
+                 tokenizer and template in this machine's Hugging Face cache: our engine calls per JSON call
+                 over the session, and the streamed one-agent p50s, all three targets interleaved
 
 Run: `.venv/bin/python benchmarks/proxy_bench.py [--quick]` (about five minutes on a 2-core machine; other load on
 the machine moves the latency figures, the CPU-per-request figures much less; the load average is printed
@@ -341,8 +344,55 @@ def main() -> None:
         stop(spliced, time.time())
         stop(rendered, time.time())
         prompt_tokens = json.loads(direct_probe(engine))["usage"]["prompt_tokens"]
+        hub = hub_id(work, args, starters)
     engine_process.terminate()
     report(results, splice, args.turns, prompt_tokens, loads)
+    report_hub(hub)
+
+
+HUB_ID = "org/tiny"
+
+
+def hub_id(work: Path, args: argparse.Namespace, starters: dict[str, Callable[[str, Path], Target] | None]) -> dict:
+    """The engine serving a hub id; the tokenizer and template where `hf download` leaves them."""
+    model_dir = tiny_model_with_loaded_tokenizer()
+    cache = work / "hf-hub"
+    snapshot = cache / ("models--" + HUB_ID.replace("/", "--")) / "snapshots" / "0"
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (snapshot / name).write_bytes((model_dir / name).read_bytes())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0")
+    process, engine = start_engine(model_dir, served_root=HUB_ID)
+    try:
+        def fresh(name: str) -> Target:
+            start = starters[name]
+            if start is start_ours:
+                return start_ours(engine, work, env={"HF_HUB_CACHE": str(cache)})
+            return start(engine, work) if start else Target(name, None, engine, "direct")
+
+        out: dict = {"calls": alone("harness-rl proxy", fresh, engine, args.turns, False, [])["calls"]}
+        targets = [fresh(name) for name in starters]
+        since = time.time()
+        got = asyncio.run(one_agent(targets, args.stream_turns, True))
+        for target in targets:
+            stop(target, since)
+        out["p50_stream"] = {name: r["p50"] for name, r in got.items()}
+        out["load"] = load_average()
+    finally:
+        process.terminate()
+    return out
+
+
+def report_hub(hub: dict) -> None:
+    p50 = hub["p50_stream"]
+    direct = p50["direct to engine"]
+    line = (f"\nhub id ({HUB_ID}, tokenizer from the Hugging Face cache): engine calls per JSON call "
+            f"{hub['calls']:.3f}; streamed one agent p50 added: ours {ms(p50['harness-rl proxy'] - direct)}")
+    if "OpenEnv capture proxy" in p50:
+        theirs = p50["OpenEnv capture proxy"] - direct
+        line += f", OpenEnv {ms(theirs)}, ratio {(p50['harness-rl proxy'] - direct) / theirs:.2f}x"
+    print(f"{line} ({hub['load']})")
 
 
 def report(results: dict[str, dict], splice: dict[str, dict[str, float]], turns: int, prompt_tokens: int,

@@ -72,15 +72,16 @@ class ProxyConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tito: Annotated[bool, setting("token in, token out: send an agent's earlier replies back to the engine as the "
                                 "ids it sampled (off: render every prompt from the messages)")] = True
     splice_check_tokens: Annotated[AtLeastZero | None, setting(
-        "a spliced turn renders only the messages after the agent's last reply; on about this many tokens of "
-        "conversation per turn, the whole conversation is rendered too and must agree (every turn of a "
-        "conversation this long, one in N of one N times longer; a disagreement renders that session whole from "
-        "then on); 0: never; none: every turn")] = 4096
+        "a spliced turn renders only the messages after the agent's last reply; the whole conversation is rendered "
+        "too and must agree on a session's first 4 spliced turns, then on one in 32, or one in N of a "
+        "conversation N times this many tokens long (a disagreement renders that session whole from then on); "
+        "0: never; none: every turn")] = 4096
     local_render: Annotated[str | None, setting(
         "render prompts in the proxy with the served model's tokenizer.json and chat template from this directory "
         "(one engine round trip fewer per call; checked against the engine's rendering as splices are, and "
         "turned off at the first disagreement); 'auto': the engine's own model directory when this machine can "
-        "read it; none: the engine renders every prompt")] = "auto"
+        "read it, or for a hub id (`vllm serve Qwen/Qwen3-8B`) its snapshot in this machine's Hugging Face cache; "
+        "none: the engine renders every prompt")] = "auto"
     accept_images: Annotated[bool, setting("forward image parts to the engine (only for models that take them)")] \
         = False
     engine_check_s: Annotated[Positive, setting("how often each engine is probed (/health, and /weight_info while "

@@ -87,6 +87,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)  # streamed generations whose client left before the end
     derender_steps: list[list[int]] = field(default_factory=list)  # the ids of each streaming derender call
     model_dir: str | None = None  # render with this model's tokenizer and chat template (as vLLM would), and say so
+    served_root: str | None = None  # say this is the model it serves instead (a hub id), still rendering with model_dir
     routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
     render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
@@ -405,7 +406,8 @@ class FakeEngine:
         return await handler(request)
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": "fake", "object": "model", **({"root": self.model_dir} if self.model_dir else {})}
+        root = self.served_root or self.model_dir
+        card = {"id": "fake", "object": "model", **({"root": root} if root else {})}
         return web.Response(body=_ENCODER.encode({"object": "list", "data": [card]}), content_type="application/json")
 
     async def _stats(self, request: web.Request) -> web.Response:
@@ -458,10 +460,12 @@ def main() -> None:
     parser.add_argument("--hold-generate", action="store_true",
                         help="never answer a generate; print 'generate' when one arrives (a crash mid-call)")
     parser.add_argument("--model-dir", help="render with this model's tokenizer and chat template")
+    parser.add_argument("--served-root", help="name this hub id as the model served (`vllm serve ORG/NAME`)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate, model_dir=args.model_dir)
+        fake = FakeEngine(keep_requests=False, hold_generate=args.hold_generate, model_dir=args.model_dir,
+                          served_root=args.served_root)
         runner, url = await start_fake_engine(fake, port=args.port)
         print(url, flush=True)
         await asyncio.Event().wait()

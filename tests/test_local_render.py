@@ -184,6 +184,29 @@ def test_with_the_models_files_at_hand_a_call_is_generate_and_derender(model_eng
         assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_hub_id_the_engine_serves_is_rendered_with_its_snapshot_in_the_hugging_face_cache(
+        loaded_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
+    """`vllm serve org/tiny`: the engine's model root is no directory here; the proxy renders with the snapshot
+    this machine's Hugging Face cache holds of it (as `hf download` leaves it), or leaves rendering to the engine."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    if cached:
+        snapshot.mkdir(parents=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (snapshot / name).write_bytes((loaded_dir / name).read_bytes())
+        (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+        (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    fake = FakeEngine(model_dir=str(loaded_dir), served_root="org/tiny")
+    with run_fake_engine(fake) as url, serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "s"))) as proxy:
+        agent = Agent(proxy)
+        assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
+        (turn,) = agent.trace().turns
+    assert turn.metadata["rendered_by"] == ("proxy" if cached else "engine")
+
+
 def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[FakeEngine, str],
                                                             tmp_path: Path) -> None:
     fake, url = model_engine

@@ -234,12 +234,15 @@ def test_a_template_that_renders_a_message_by_its_place_is_caught_and_the_sessio
     assert "render_mismatch" not in turns[3].metadata
 
 
-def test_checks_cost_about_the_budget_per_turn_however_long_the_conversation_grows() -> None:
+def test_checks_cover_a_sessions_first_splices_then_one_in_32_or_the_budget_per_turn() -> None:
+    """A steady short conversation pays a check on one turn in 32 after its first four; a long one about the
+    budget's worth of tokens a turn: one turn in N when N times the budget long."""
     index = ReplyIndex()
-    due = [index.check_due(tokens, 1000) for tokens in [500] * 3 + [4000] * 8]
-    assert due == [True] * 3 + [False, False, False, True] * 2
-    later = ReplyIndex()  # the first splice is checked however long the conversation already is
-    assert [later.check_due(4000, 1000) for _ in range(5)] == [True, False, False, False, True]
+    due = [index.check_due(500, 1000) for _ in range(4 + 64)]
+    assert [i for i, d in enumerate(due) if d] == [0, 1, 2, 3, 35, 67]
+    long = ReplyIndex()
+    due = [long.check_due(64_000, 1000) for _ in range(4 + 128)]
+    assert [i for i, d in enumerate(due) if d] == [0, 1, 2, 3, 67, 131]
     assert not any(ReplyIndex().check_due(100, 0) for _ in range(5))  # 0: never
     assert all(ReplyIndex().check_due(10**6, None) for _ in range(5))  # None: always
 

@@ -10,8 +10,8 @@ at once.
 
 Most templates render a message the same wherever it sits; not all do (one that numbers tool calls
 across the conversation, one that moves the system prompt next to the last user message). So on a sample
-of turns, about `check_tokens` of the whole conversation's tokens per turn (every turn of a short
-conversation, one in N of a conversation N times longer), the whole conversation is rendered too and
+of turns (a session's first four spliced turns, then one in 32, or one in N of a conversation N times
+`check_tokens` long: `ReplyIndex.check_due`), the whole conversation is rendered too and
 the suffix's tail must be where the whole rendering ends. A difference, or a suffix the engine cannot
 render, makes that turn use the whole rendering, records why on the turn (`render_note`), and the
 session renders whole from then on. Whatever was rendered, the turn records the ids that were sampled
@@ -187,9 +187,13 @@ class PromptMaker:
         """The tokenizer and template to render with: `source`, or with "auto" the engine's model directory."""
         if source == AUTO:
             await self.engine.served_model()
-            if not self.engine.model_root or not Path(self.engine.model_root, "tokenizer.json").is_file():
+            found = model_files_here(self.engine.model_root)
+            if found is None:
+                log.info("prompts are rendered by the engine: its model %s has no tokenizer.json on this machine "
+                         "(a local directory, or the Hugging Face cache); --local-render DIR names one",
+                         self.engine.model_root)
                 return None
-            source = self.engine.model_root
+            source = found
         try:
             template = await asyncio.to_thread(LocalTemplate.load, source)  # a large tokenizer takes a while
         except (LocalTemplateError, OSError, ValueError) as exc:
@@ -225,6 +229,22 @@ class PromptMaker:
         dropped = PrefixBreak(position=common_tokens(session.graph.sequence(node_id), full.text),
                               cause="template_dropped", against=node_id)
         return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text))
+
+
+def model_files_here(root: str | None) -> str | None:
+    """Where this machine holds the served model's tokenizer and chat template: the engine's model directory when
+    it is one here, or, for a hub id (`vllm serve Qwen/Qwen3-8B`), its snapshot in the Hugging Face cache."""
+    if not root:
+        return None
+    if Path(root, "tokenizer.json").is_file():
+        return root
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(root, "tokenizer.json")
+    except ValueError:  # not a hub id (a directory of another machine)
+        return None
+    return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
 def _spliced(session: Session, node_id: str, earlier: bytes, closing: tuple[int, bytes], tail: bytes, note: str,

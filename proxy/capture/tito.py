@@ -30,6 +30,8 @@ from proxy.chat import ChatMessage, text_of
 from proxy.tokens import SEP
 
 DIGEST = 8  # bytes per message digest
+WARMUP_CHECKS = 4  # a session's first spliced turns, each checked against the whole conversation's rendering
+CHECK_SPACING = 32  # after them, at most one spliced turn in this many is checked
 TOOL_ID_PREFIXES = ("toolu_", "call_", "fc_")
 CONTINUING = frozenset({"template_dropped", "reply_edited", "retokenized"})  # the agent went on from `against`
 
@@ -106,19 +108,25 @@ class ReplyIndex:
         self._by_request: dict[bytes, list[str]] = {}
         self._prefixes = _Prefix()  # every call's messages as a path of digests: `closest` walks it, not the calls
         self.renders_suffix = True
-        self._check_credit: int | None = None  # None: nothing checked yet
+        self._spliced = 0  # turns asked `check_due`
+        self._check_credit = 0  # whole-conversation tokens the checks may spend (`budget` a turn)
+        self._since_check = 0
 
     def check_due(self, tokens: int, budget: int | None) -> bool:
         """Whether this turn's suffix rendering is checked against the whole conversation of `tokens` tokens:
-        the first, then every turn while the conversation is at most `budget` tokens long, every N-th when N
-        times longer (so the checks cost about `budget` tokens a turn, however long the conversation grows);
+        the session's first `WARMUP_CHECKS` spliced turns (a template that renders a message by its place shows
+        there), then one turn in `CHECK_SPACING`, or fewer when the conversation is long (every N-th when N
+        times `budget` long, so the checks cost about `budget` tokens a turn however long it grows);
         `None`: every turn, 0: never."""
         if budget is None:
             return True
-        credit = tokens if self._check_credit is None else min(self._check_credit + budget, tokens)
-        self._check_credit = credit
-        if budget and credit >= tokens:
-            self._check_credit = 0
+        if not budget:
+            return False
+        self._spliced += 1
+        self._check_credit = min(self._check_credit + budget, tokens)
+        self._since_check += 1
+        if self._spliced <= WARMUP_CHECKS or (self._check_credit >= tokens and self._since_check >= CHECK_SPACING):
+            self._check_credit, self._since_check = 0, 0
             return True
         return False
 
