@@ -93,7 +93,11 @@ async def test_close_kills_background_daemons_and_removes_the_workspace(sandbox:
     """Unisolated, a daemon outlives its command until close; under bwrap it dies with its pid namespace."""
     result = await sandbox.exec("nohup setsid sleep 300 >/dev/null 2>&1 & echo $!")
     assert result.ok
-    if sandbox.isolation == "none":
+    if sandbox.isolation == "none":  # the daemon may still be between setsid's fork and its exec: wait for it
+        for _ in range(250):
+            if marked_processes(sandbox.id):
+                break
+            await asyncio.sleep(0.02)
         assert marked_processes(sandbox.id)
     root = sandbox.root
     await sandbox.close()
