@@ -207,6 +207,37 @@ def test_a_hub_id_the_engine_serves_is_rendered_with_its_snapshot_in_the_hugging
     assert turn.metadata["rendered_by"] == ("proxy" if cached else "engine")
 
 
+def test_a_template_that_renders_by_place_is_not_blamed_on_the_proxys_renderer(loaded_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A template that numbers tool results by their place in the conversation (as DeepSeek-V3's opens only the
+    first of several tool outputs): the new messages rendered alone differ from the whole conversation's end, in
+    the proxy and in the engine alike. The session renders whole from then on; the proxy keeps rendering."""
+    placed = tmp_path / "placed"
+    placed.mkdir()
+    for item in loaded_dir.iterdir():
+        (placed / item.name).write_bytes(item.read_bytes())
+    template = (loaded_dir / "chat_template.jinja").read_text()
+    numbered = template.replace("{{- '\\n<tool_response>\\n' }}",
+                                "{{- '\\n<tool_response>\\n' + (loop.index0 | string) + ': ' }}")
+    assert numbered != template
+    (placed / "chat_template.jinja").write_text(numbered)
+    fake = FakeEngine(model_dir=str(placed))
+    with run_fake_engine(fake) as url, serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "s"))) as proxy:
+        agent = Agent(proxy)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "list files"}]
+        for step in range(3):
+            got = agent.chat(messages, tools=TOOLS)
+            assert got.status_code == 200, got.text
+            messages += [got.json()["choices"][0]["message"],
+                         {"role": "tool", "tool_call_id": f"call_{step}", "content": f"file{step}.txt"}]
+        turns = agent.trace().turns
+        local = proxy.proxy.pipeline.prompts.local
+    # the second tool result is the first whose place differs (index 2 alone behind the probe, 4 in the whole)
+    assert [t.metadata.get("render") for t in turns] == [None, "suffix, checked", "whole"]
+    assert "differ from the end of the whole conversation" in turns[2].metadata["render_mismatch"]
+    assert local is not None and local.usable, local.off if local is not None else None
+
+
 def test_a_disagreement_hands_rendering_back_to_the_engine(model_engine: tuple[FakeEngine, str],
                                                             tmp_path: Path) -> None:
     fake, url = model_engine

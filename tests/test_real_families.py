@@ -316,6 +316,7 @@ def test_a_familys_conversations_chain_and_every_difference_from_vllms_render_is
           f"vLLM's {tally.replies_equal}/{tally.replies}, local render {local_state}, re-score max |delta| "
           f"{tally.rescore:.2e} over {tally.rescored} tokens")
     assert tally.turns == 5
+    assert local_state.startswith("agrees"), local_state
     assert "other" not in tally.classes, tally.classes
     assert tally.replies_equal == tally.replies
     assert tally.rescore < 1e-3

@@ -99,12 +99,14 @@ class PromptMaker:
                                                   self._render_if(check, conversation))
         if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
             why = _mismatch(whole.text, tail)
-        if why is not None and local:  # the proxy's own rendering may be what differs: ask the engine, then blame
-            self._local_disagrees(why)
+        if why is not None and local:  # the proxy's rendering, or a template that renders by place: ask the engine
+            ours, first = tail, why
             local = False
             (tail, why) = await self._suffix_tail(conversation, reply_at, marker, False)
             if tail is not None and whole is not None and not _ends_with_tail(whole.text, tail, marker):
                 why = _mismatch(whole.text, tail)
+            if tail != ours:  # the engine renders the new messages otherwise: the proxy's rendering is to blame
+                self._local_disagrees(first)
         if why is not None or tail is None:
             replies.renders_suffix = False
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE, why, whole)
