@@ -57,12 +57,13 @@ def reply_matches(reply: Reply, message: ChatMessage) -> bool:
     calls = message.tool_calls or []
     if len(calls) != len(reply.tool_calls):
         return False
-    return all(sent.function.name == given.name and _same_arguments(sent.function.arguments, given.arguments)
+    return all(sent.function.name == given.name and same_arguments(sent.function.arguments, given.arguments)
                and (not sent.id or _bare(sent.id) == _bare(given.id))
                for sent, given in zip(calls, reply.tool_calls, strict=True))
 
 
-def _same_arguments(a: str, b: str) -> bool:
+def same_arguments(a: str, b: str) -> bool:
+    """The same tool-call arguments: the same text, or the same JSON however it was spelled."""
     if a == b:
         return True
     try:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable
 
 from harness_rl.trace import Reply
 from proxy.capture.session import Session
+from proxy.capture.tito import same_arguments
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
 from proxy.live import AnswerHead, Finished, Opened, StreamEvent, Text, TextKind
@@ -119,15 +119,9 @@ async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event)
 
 def _same_calls(a: Reply, b: Reply) -> bool:
     """The same tool calls, by name and arguments (ids are the engine's to draw)."""
-    return [(c.name, _arguments(c.arguments)) for c in a.tool_calls] == [(c.name, _arguments(c.arguments))
-                                                                          for c in b.tool_calls]
-
-
-def _arguments(text: str) -> object:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return len(a.tool_calls) == len(b.tool_calls) and all(
+        x.name == y.name and same_arguments(x.arguments, y.arguments)
+        for x, y in zip(a.tool_calls, b.tool_calls, strict=True))
 
 
 def _rest(sent: str, final: str | None) -> str | None:
