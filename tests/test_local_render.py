@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,27 +185,40 @@ def test_with_the_models_files_at_hand_a_call_is_generate_and_derender(model_eng
         assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
 
 
-@pytest.mark.parametrize("cached", [True, False])
-def test_a_hub_id_the_engine_serves_is_rendered_with_its_snapshot_in_the_hugging_face_cache(
-        loaded_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
-    """`vllm serve org/tiny`: the engine's model root is no directory here; the proxy renders with the snapshot
-    this machine's Hugging Face cache holds of it (as `hf download` leaves it), or leaves rendering to the engine."""
+@pytest.mark.parametrize("served", ["a local directory", "a cached hub id", "an uncached hub id"])
+def test_the_proxy_says_at_start_which_tokenizer_files_it_renders_with(
+        loaded_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        served: str) -> None:
+    """The engine's own model directory; for `vllm serve org/tiny` (the engine's model root no directory here) the
+    snapshot this machine's Hugging Face cache holds of it (as `hf download` leaves it), or the engine renders.
+    Said in one line as the proxy starts, before any call, and never again."""
     import huggingface_hub.constants
 
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
-    if cached:
+    if served == "a cached hub id":
         snapshot.mkdir(parents=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             (snapshot / name).write_bytes((loaded_dir / name).read_bytes())
         (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
         (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    fake = FakeEngine(model_dir=str(loaded_dir), served_root="org/tiny")
+    caplog.set_level(logging.INFO, logger="proxy.capture.prompts")
+    fake = FakeEngine(model_dir=str(loaded_dir), served_root=None if served == "a local directory" else "org/tiny")
     with run_fake_engine(fake) as url, serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "s"))) as proxy:
+        said = proxy.proxy.pipeline.prompts.said
         agent = Agent(proxy)
         assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
         (turn,) = agent.trace().turns
-    assert turn.metadata["rendered_by"] == ("proxy" if cached else "engine")
+    assert said == {
+        "a local directory": f"prompts are rendered in the proxy with the tokenizer and chat template in {loaded_dir} "
+                             "(the engine's model directory)",
+        "a cached hub id": f"prompts are rendered in the proxy with the tokenizer and chat template in {snapshot} "
+                           "(this machine's Hugging Face cache of org/tiny)",
+        "an uncached hub id": "prompts are rendered by the engine: its model org/tiny has no tokenizer.json on this "
+                              "machine (a local directory, or the Hugging Face cache); --local-render DIR names one",
+    }[served]
+    assert [record.getMessage() for record in caplog.records if record.name == "proxy.capture.prompts"] == [said]
+    assert turn.metadata["rendered_by"] == ("engine" if served == "an uncached hub id" else "proxy")
 
 
 def test_a_template_that_renders_by_place_is_not_blamed_on_the_proxys_renderer(loaded_dir: Path,

@@ -99,6 +99,9 @@ def test_serve_proxy_listens_while_its_engine_loads_and_serves_once_it_is_up(eng
             while "waiting for the engine" in serving:  # a line every 30 s until the engine answers
                 serving = proxy.line()
             assert serving.startswith(f"harness-rl proxy on {url} -> {engine_url} "), serving
+            assert proxy.line() == ("harness-rl proxy: prompts are rendered by the engine: its model tiny has no "
+                                    "tokenizer.json on this machine (a local directory, or the Hugging Face cache); "
+                                    "--local-render DIR names one")  # said once the engine answers
             assert httpx.get(f"{url}/health").status_code == 200
             assert httpx.get(f"{url}/health").json()["reason"] is None
             chat = httpx.post(f"{session['openai_base_url']}/chat/completions", headers=key, timeout=60,

@@ -131,6 +131,7 @@ async def _open_when_exact(running: RunningProxy, config: ProxyConfig, wait_s: f
             await asyncio.sleep(min(ASK_AGAIN_S, max(0.0, wait_s - waited)))
         report.require_exact()
     await running.proxy.engine.open()
+    await running.proxy.pipeline.prompts.settle_source()
 
 
 async def _unless_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
@@ -171,6 +172,8 @@ async def _serve(config: ProxyConfig, source: str, engine_check: bool, wait_s: f
             print(f"harness-rl proxy on {running.url} -> {', '.join(config.upstream)} (store {config.store_dir}, "
                   f"{sessions} sessions recovered; admin token from {source}, {running.admin_token[:4]}…)",
                   flush=True)
+            if running.proxy.pipeline.prompts.said is not None:  # unsaid until the engine answers: at the first call
+                print(f"harness-rl proxy: {running.proxy.pipeline.prompts.said}", flush=True)
             await stop.wait()
     finally:
         await running.stop()

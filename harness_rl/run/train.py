@@ -253,6 +253,8 @@ def build_run(config: RunConfig, model_dir: Path, *, harness: Harness | None = N
         stack = Stack.start(config, model_dir, output_dir, tasks, harness=harness, sandbox_factory=sandbox_factory,
                             reward_fn=reward_fn)
         engine, loop = stack.engine, stack.loop
+        if stack.proxy.proxy.pipeline.prompts.said is not None:
+            print(f"harness-rl: {stack.proxy.proxy.pipeline.prompts.said}", file=sys.stderr, flush=True)
         temperature = config.proxy.sampling.temperature or 1.0
         sync = weight_sync_for(stack.engines, loop)
         Ranks.current().broadcast((engine.model_dir, output_dir))  # what the other ranks' learners load and write

@@ -26,6 +26,7 @@ blamed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from proxy.upstream.client import PROBE, ChatRender, EngineClient, Rendered
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
+START_QUERY_S = 5.0  # how long a starting proxy waits for its engine to name its model
 MAX_HEADS = 256  # probe renderings kept, one per distinct tool set and template arguments
 _ENCODER = msgspec.json.Encoder()
 
@@ -69,6 +71,8 @@ class PromptMaker:
         self.tito = tito
         self.check_tokens = check_tokens
         self.local_render = local_render  # a model directory, "auto" (the engine's, if readable here) or None
+        self.settled = False  # whether "auto" has become a directory or None, and the choice been said
+        self.said: str | None = None  # the line that said it (the faces print it: `serve proxy`, `train`)
         self.local: LocalRendering | None = None
         self._loading = asyncio.Lock()
         self._heads: dict[tuple[bool, bytes], Rendered] = {}
@@ -173,12 +177,37 @@ class PromptMaker:
             self._heads[key] = head
         return head
 
+    async def settle_source(self) -> None:
+        """Choose the tokenizer files prompts are rendered with, and say which in one line, once: as the proxy
+        starts, or at the first call after its engine first answers (until then, the engine renders)."""
+        if self.settled:
+            return
+        source = self.local_render
+        if source == AUTO:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.engine.served_model(), START_QUERY_S)
+            if self.settled or not self.engine.described:  # settled meanwhile by a call, or no answer yet
+                return
+            root = self.engine.model_root
+            source = model_files_here(root)
+            where = ("the engine's model directory" if source == root else
+                     f"this machine's Hugging Face cache of {root}")
+            why_not = (f"its model {root} has no tokenizer.json on this machine (a local directory, or the Hugging "
+                       "Face cache); --local-render DIR names one")
+        else:
+            where, why_not = "--local-render", "--local-render none"
+        self.local_render, self.settled = source, True
+        self.said = (f"prompts are rendered by the engine: {why_not}" if source is None else
+                     f"prompts are rendered in the proxy with the tokenizer and chat template in {source} ({where})")
+        log.info("%s", self.said)
+
     async def _local_ready(self) -> bool:
         """Whether renders are made in the proxy; the first call loads the files and asks the engine to agree (once,
         while other calls wait: an engine that cannot answer leaves it to the next call)."""
-        if self.local_render is not None:
+        if self.local_render is not None or not self.settled:
             async with self._loading:
-                if self.local_render is not None:
+                await self.settle_source()
+                if self.settled and self.local_render is not None:
                     local = await self._load_local(self.local_render)
                     if local is not None:
                         await local.ready()
@@ -186,22 +215,12 @@ class PromptMaker:
         return self.local is not None and self.local.usable
 
     async def _load_local(self, source: str) -> LocalRendering | None:
-        """The tokenizer and template to render with: `source`, or with "auto" the engine's model directory."""
-        if source == AUTO:
-            await self.engine.served_model()
-            found = model_files_here(self.engine.model_root)
-            if found is None:
-                log.info("prompts are rendered by the engine: its model %s has no tokenizer.json on this machine "
-                         "(a local directory, or the Hugging Face cache); --local-render DIR names one",
-                         self.engine.model_root)
-                return None
-            source = found
+        """The tokenizer and template in `source`, or None (saying why) where they cannot be used."""
         try:
             template = await asyncio.to_thread(LocalTemplate.load, source)  # a large tokenizer takes a while
         except (LocalTemplateError, OSError, ValueError) as exc:
             log.warning("prompts are rendered by the engine, not in the proxy: %s", exc)
             return None
-        log.info("prompts are rendered in the proxy with %s's tokenizer and chat template", source)
         return LocalRendering(template, self.engine)
 
     def _local_disagrees(self, why: str) -> None:

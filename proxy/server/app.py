@@ -138,7 +138,8 @@ async def start_proxy(config: ProxyConfig, waiting: str | None = None) -> Runnin
     """Start the proxy inside the running event loop, its connections counted and timed (`proxy.server.limits`).
 
     With `waiting`, it listens but sends no call (each is answered 503 with that reason) until
-    `proxy.engine.open()`: `harness-rl serve proxy` waits so for its engine and checks it.
+    `proxy.engine.open()`: `harness-rl serve proxy` waits so for its engine and checks it. Either way it says
+    which tokenizer files it renders prompts with once its engine answers (`PromptMaker.settle_source`).
     """
     proxy = Proxy(config)
     proxy.engine.waiting = waiting
@@ -163,4 +164,6 @@ async def start_proxy(config: ProxyConfig, waiting: str | None = None) -> Runnin
     url = f"http://{host}:{port}"
     if proxy.advertise_url is None:
         proxy.advertise_url = url
+    if waiting is None:
+        await proxy.pipeline.prompts.settle_source()
     return RunningProxy(url, proxy.admin_token, proxy, runner, server)

@@ -108,7 +108,7 @@ class EngineClient:
         self.vocab_size = vocab_size
         self.max_model_len: int | None = None
         self.model_root: str | None = None
-        self._described = False
+        self.described = False  # whether the engine has said what it serves (its /v1/models card)
         self._closing: tuple[int, bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -127,7 +127,7 @@ class EngineClient:
         Never cached while unknown: a proxy started beside an engine that is still loading heals as
         soon as the engine serves. The same answer says the context and vocabulary sizes, if it does.
         """
-        if not self._described:
+        if not self.described:
             try:
                 status, body, _ = await self._send("GET", MODELS_ROUTE, None)
                 cards = MODELS_DECODER.decode(body).data if status == 200 else []
@@ -135,7 +135,7 @@ class EngineClient:
                 return self.model or None
             card = next((c for c in cards if c.id == self.model), cards[0] if cards else None)
             if card is not None and card.id:
-                self._described = True
+                self.described = True
                 self.model = self.model or card.id
                 self.max_model_len = card.max_model_len
                 self.model_root = card.root

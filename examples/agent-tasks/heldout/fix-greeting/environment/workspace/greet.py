@@ -1,1 +1,0 @@
-print('good night')

@@ -1,2 +1,0 @@
-def double(x):
-    return x + x + 1
