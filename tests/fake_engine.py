@@ -90,6 +90,7 @@ class FakeEngine:
     served_root: str | None = None  # say this is the model it serves instead (a hub id), still rendering with model_dir
     routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
     render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
+    user_last: bool = False  # refuse (400) to render a conversation ending with the assistant, as mistral-common
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -268,6 +269,9 @@ class FakeEngine:
     async def _render(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
         agp = body.get("add_generation_prompt", True)
+        if self.user_last and body["messages"][-1]["role"] == "assistant":
+            return web.json_response({"error": {"message": "Expected last role User or Tool (or Assistant with prefix) "
+                                                           "for serving but got assistant"}}, status=400)
         if agp and self.keep_requests:
             self.conversations.append(body)
         ids = self.render(body["messages"], body.get("tools"), agp)

@@ -106,6 +106,19 @@ def test_a_generation_prompt_the_replies_do_not_start_with_still_splices(fake_pr
     assert [t.parent_id for t in turns[1:]] == [t.node_id for t in turns[:-1]]
 
 
+def test_an_engine_that_renders_no_conversation_ending_with_the_assistant_answers_every_call(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """vLLM with Mistral's own tokenizer refuses the probe that learns how the template closes a turn (its last
+    message the assistant's): each later turn is rendered whole, its break named, and the agent never sees it."""
+    fake_engine.user_last = True
+    agent = Agent(fake_proxy)
+    converse(agent, fake_engine, 3)
+    turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered"] * 3
+    assert [t.prefix_break.cause for t in turns[1:] if t.prefix_break is not None] == ["template_dropped"] * 2
+    assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 2  # the refused probe asked once (two renders)
+
+
 def test_tool_call_arguments_reserialised_and_reasoning_dropped_by_the_agent_still_match(
         fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
     def agent_rewrites(message: dict) -> dict:

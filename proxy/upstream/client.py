@@ -110,6 +110,7 @@ class EngineClient:
         self.model_root: str | None = None
         self.described = False  # whether the engine has said what it serves (its /v1/models card)
         self._closing: tuple[int, bytes] | None = None
+        self._closing_refused = False  # the engine refuses to render the probe that finds `_closing`
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -210,12 +211,20 @@ class EngineClient:
         """How the engine's template closes an assistant turn: the end-of-turn id, and the token text after it.
 
         Learned once from two probe renders and kept; None (asked again next time) while the engine
-        cannot say, or when the template closes turns in a way this probe cannot read.
+        cannot say, or when the template closes turns in a way this probe cannot read. An engine that refuses
+        to render a conversation ending with the assistant (vLLM with Mistral's own tokenizer) never can: None
+        from then on, without asking.
         """
-        if self._closing is None:
-            renders = await asyncio.gather(*(self.render(ChatRender(
-                messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
-                add_generation_prompt=False)) for r in "AB"))
+        if self._closing is None and not self._closing_refused:
+            try:
+                renders = await asyncio.gather(*(self.render(ChatRender(
+                    messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
+                    add_generation_prompt=False)) for r in "AB"))
+            except ProxyError as exc:
+                if exc.status >= 500:
+                    raise
+                self._closing_refused = True
+                return None
             a, b = (r.text.split(b",")[:-1] for r in renders)
             shared = 0
             while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:
