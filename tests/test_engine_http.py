@@ -1,6 +1,7 @@
 """The engine's HTTP surface answers in vLLM's shapes and statuses."""
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -182,6 +183,7 @@ def test_tokenize_detokenize_models_health_version(engine_url: str) -> None:
     assert rendered["token_strs"] is None and rendered["tokens"] == prompt_ids
     models = httpx.get(f"{engine_url}/v1/models").json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 65536
+    assert (Path(models["data"][0]["root"]) / "tokenizer.json").is_file()  # where a proxy here finds the tokenizer
     health = httpx.get(f"{engine_url}/health")
     assert health.status_code == 200 and health.headers["x-policy-version"] == "0"
     assert "version" in httpx.get(f"{engine_url}/version").json()

@@ -94,7 +94,7 @@ async def models(request: web.Request) -> web.Response:
         "object": "model",
         "created": ctx.created,
         "owned_by": "harness-rl",
-        "root": name,
+        "root": ctx.engine.model_root,
         "parent": None,
         "max_model_len": ctx.engine.max_model_len,
         "vocab_size": ctx.engine.vocab_size,

@@ -60,6 +60,7 @@ class Engine:
         tokenizer,
         *,
         served_model_name: str,
+        model_root: str | None = None,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         logprobs_mode: LogprobsMode = "processed_logprobs",
         seed: int = 0,
@@ -68,14 +69,17 @@ class Engine:
         prefix_cache_bytes: int = 1 << 30,
         batch_invariant: bool = False,
     ) -> None:
-        """`batch_invariant` computes each request alone (one at a time, no prefix cache): its tokens and logprobs
-        then depend on nothing else the engine serves, whatever arrives when."""
+        """`model_root` is where the model was loaded from, which `/v1/models` reports as vLLM does (a proxy on this
+        machine renders prompts with its tokenizer files); the served name when not given. `batch_invariant`
+        computes each request alone (one at a time, no prefix cache): its tokens and logprobs then depend on
+        nothing else the engine serves, whatever arrives when."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, not {logprobs_mode!r}")
         self.model: Any = cast(Any, model).eval()
         self.tokenizer = tokenizer
         self._vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.served_model_name = served_model_name
+        self.model_root = model_root or served_model_name
         limit = getattr(model.config, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(max_model_len, limit)
         self.logprobs_mode = logprobs_mode
@@ -127,7 +131,7 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path)
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
         set_threads(loaded, num_threads)
-        return cls(loaded, tokenizer, served_model_name=name, seed=seed, **kwargs)
+        return cls(loaded, tokenizer, served_model_name=name, model_root=str(path.resolve()), seed=seed, **kwargs)
 
     @property
     def policy_version(self) -> int:
