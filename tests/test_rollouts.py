@@ -21,7 +21,14 @@ from adapters.harnesses.echo import EchoHarness
 from adapters.sandboxes import Sandbox, SandboxStartError
 from adapters.sandboxes.local import LocalSandbox, marked_processes
 from adapters.tasks import load_task
-from harness_rl.run.rollouts import RolloutConfig, RolloutConfigError, RolloutScheduler, SchedulerState, rollout_seed
+from harness_rl.run.rollouts import (
+    RolloutConfig,
+    RolloutConfigError,
+    RolloutScheduler,
+    SchedulerState,
+    rollout_seed,
+    task_order,
+)
 from proxy.client import ProxyClient
 from proxy.sampling import call_seed
 
@@ -174,11 +181,18 @@ async def _until(condition, limit_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def test_each_pass_over_the_tasks_visits_every_task_once_in_an_order_seeded_by_run_and_pass() -> None:
+    passes = [task_order(0, 8, epoch) for epoch in range(3)]
+    assert all(sorted(order) == list(range(8)) for order in passes)
+    assert passes[0] != passes[1] != passes[2] and passes[0] != list(range(8))
+    assert task_order(0, 8, 1) == passes[1] and task_order(1, 8, 0) != passes[0]
+
+
 @pytest.mark.parametrize("lockstep", [False, True])
 async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake_engine, lockstep) -> None:
     """Group 0 is held back until groups 1 and 2 are done: in lockstep it still comes first, otherwise last."""
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
-    harness = HeldBack(tasks[0].instruction)
+    harness = HeldBack(tasks[task_order(0, 3, 0)[0]].instruction)  # group 0's task
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=lockstep)
     runner.max_groups = 3
     handed: list[int] = []
@@ -198,7 +212,7 @@ async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake
 
 async def test_hold_waits_for_every_group_in_flight_and_starts_none_until_release(client, fake_engine) -> None:
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
-    harness = HeldBack(tasks[0].instruction)
+    harness = HeldBack(tasks[task_order(0, 3, 0)[0]].instruction)  # group 0's task
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=True)
     runner.max_groups = 5
     runner._fill()

@@ -22,6 +22,10 @@ What counts as what:
 For checkpoints the scheduler's `state()` says where it stands: the next group, the finished groups not
 yet handed over (kept whole) and the groups still running (run again on resume with the same seeds).
 
+Groups visit the tasks in passes, each pass in its own order (`task_order`, seeded by the run seed and
+the pass), as a sampler shuffles a dataset each epoch: a task folder sorted by kind does not train one
+kind at a time, and a resumed run visits the same tasks.
+
 Every rollout's proxy session is seeded with `rollout_seed(seed, group, task, index)`, so the proxy
 seeds each of its engine calls (`proxy.sampling.call_seed`): the same run seed samples the same
 rollouts again, on an engine whose sampling does not depend on what else it batches. With
@@ -36,6 +40,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import random
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -98,6 +103,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class RolloutConfigError(ValueError):
     """A setting that would make every rollout fail (e.g. a loopback proxy URL for a cloud sandbox)."""
+
+
+def task_order(seed: int, count: int, epoch: int) -> list[int]:
+    """The order in which pass `epoch` over `count` tasks visits them: a permutation seeded by (seed, epoch)."""
+    order = list(range(count))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order
 
 
 def rollout_seed(seed: int, group_id: int, task: str, index: int) -> int:
@@ -226,7 +238,8 @@ class RolloutScheduler:
         return running < limit and len(self._groups) < limit + self.ahead
 
     def _start(self, group_id: int) -> None:
-        task = self.tasks[group_id % len(self.tasks)]
+        count = len(self.tasks)
+        task = self.tasks[task_order(self.seed, count, group_id // count)[group_id % count]]
         group = asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}")
         group.add_done_callback(self._group_done)
         self._groups[group_id] = group
