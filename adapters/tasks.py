@@ -65,11 +65,17 @@ class EnvironmentSection(msgspec.Struct, kw_only=True):
     env: dict[str, str] = {}
 
 
+class MetadataSection(msgspec.Struct, kw_only=True):
+    """`[metadata]`: the task's category (Harbor's; our generated tasks name their family with it)."""
+
+    category: str | None = None
+
+
 class TaskConfig(msgspec.Struct, kw_only=True):
     """The sections of Harbor's `task.toml` that harness-rl reads; unknown keys are allowed."""
 
     task: TaskSection = msgspec.field(default_factory=TaskSection)
-    metadata: dict[str, Any] = {}
+    metadata: MetadataSection = msgspec.field(default_factory=MetadataSection)
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
     verifier: VerifierSection = msgspec.field(default_factory=VerifierSection)
     environment: EnvironmentSection = msgspec.field(default_factory=EnvironmentSection)
@@ -87,6 +93,10 @@ class Task:
     @property
     def workdir(self) -> str:
         return self.config.environment.workdir
+
+    @property
+    def category(self) -> str | None:
+        return self.config.metadata.category
 
     @property
     def agent_timeout_s(self) -> float | None:

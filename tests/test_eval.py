@@ -4,6 +4,7 @@ command end to end on the embedded engine (its output is a training run's, so `h
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from harness_rl.cli import main
 from harness_rl.demo import models
 from harness_rl.outcome import RolloutOutcome
 from harness_rl.run.config import resolve, resolve_eval, to_toml
-from harness_rl.run.evaluate import measure, split_labels
+from harness_rl.run.evaluate import EvalReport, comparison, measure, split_labels
 from harness_rl.run.preflight import check_eval
 from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
 from harness_rl.run.rollouts import rollout_seed
@@ -130,22 +131,41 @@ def test_eval_on_the_embedded_engine_writes_a_runs_files_that_sft_reads(tmp_path
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "eval"
     digits = ROOT / "examples" / "tasks" / "digits"
+    families = tmp_path / "families"  # two copies of digits, each of its own category (a family of tasks)
+    for name in ("odd", "even"):
+        shutil.copytree(digits, families / name)
+        config = (families / name / "task.toml").read_text()
+        config = config.replace('name = "harness-rl/digits"', f'name = "harness-rl/{name}"')
+        (families / name / "task.toml").write_text(config.replace("[metadata]\n", f'[metadata]\ncategory = "{name}"\n'))
     own_handler = signal.getsignal(signal.SIGTERM)
-    assert main(["eval", "--model", "tiny", "--tasks", str(digits), "--tasks", str(digits), "--num-samples", "3",
-                 "--output-dir", str(out)]) == 0
+    assert main(["eval", "--model", "tiny", "--tasks", str(digits), "--tasks", str(digits), "--tasks", str(families),
+                 "--num-samples", "3", "--output-dir", str(out)]) == 0
     assert signal.getsignal(signal.SIGTERM) is own_handler  # a command run in-process leaves no handler behind
     printed = capsys.readouterr().out
     report = json.loads((out / "eval.json").read_text())
-    assert [s["split"] for s in report["splits"]] == ["digits", "digits-2"]
-    assert [(t["split"], t["samples"]) for t in report["tasks"]] == [("digits", 3), ("digits-2", 3)]
+    assert [s["split"] for s in report["splits"]] == ["digits", "digits-2", "families"]
+    assert [(t["split"], t["samples"]) for t in report["tasks"]] == [("digits", 3), ("digits-2", 3), ("families", 3),
+                                                                     ("families", 3)]
+    by_task = {t["task"]: t for t in report["tasks"]}
+    categories = {c["category"]: c for c in report["categories"]}
+    assert sorted(categories) == ["even", "odd"] and all(c["split"] == "families" for c in categories.values())
+    for name, category in categories.items():  # a category of one task measures what that task measures
+        assert (category["tasks"], category["samples"]) == (1, 3)
+        assert category["successes"] == by_task[f"harness-rl/{name}"]["successes"]
+    assert "odd (1 tasks)" in printed and "even (1 tasks)" in printed
+    before = msgspec.json.decode((out / "eval.json").read_bytes(), type=EvalReport)
+    compared = comparison(before, before).splitlines()
+    odd = next(line for line in compared if "odd (1 tasks)" in line)
+    rate = f"{categories['odd']['success_rate']:.1%}"
+    assert odd.split()[-4:-2] == [rate, rate]
     assert report["harness"] == "echo" and report["num_samples"] == 3 and report["model"] == "tiny"
     records = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert len(records) == 6 and {r["step"] for r in records} == {0}
+    assert len(records) == 12 and {r["step"] for r in records} == {0}
     rewards = sorted(r["reward"] for r in records)
-    assert report["splits"][0]["scorable"] + report["splits"][1]["scorable"] == 6
+    assert sum(split["scorable"] for split in report["splits"]) == 12
     assert "digits-2" in printed and "success" in printed
     traces = sorted((out / "traces").glob("*.json"))
-    assert len(traces) == 6
+    assert len(traces) == 12
     assert sorted(TrainingTrace.load(t).metadata["reward"] for t in traces) == rewards
     assert main(["sft", "--traces", str(out / "traces"), "--min-reward", str(rewards[0]), "--model", "tiny",
                  "--output-dir", str(tmp_path / "sft"), "--epochs", "1"]) == 0

@@ -78,6 +78,14 @@ class SplitResult(Measures, kw_only=True):
     tasks: int
 
 
+class CategoryResult(Measures, kw_only=True):
+    """A split's tasks of one category (task.toml's `[metadata] category`: the family of generated tasks)."""
+
+    split: str
+    category: str
+    tasks: int
+
+
 class EvalReport(msgspec.Struct, kw_only=True):
     model: str
     harness: str
@@ -86,6 +94,7 @@ class EvalReport(msgspec.Struct, kw_only=True):
     temperature: float | None
     success_reward: float
     splits: list[SplitResult]
+    categories: list[CategoryResult] = []  # empty when no task names one
     tasks: list[TaskResult]
     output_dir: str
     duration_s: float
@@ -174,11 +183,19 @@ def evaluate(config: EvalConfig, model_dir: Path, *, harness: Harness | None = N
                     **msgspec.structs.asdict(measure([o for job, o in zip(jobs, outcomes, strict=True)
                                                       if job.split == label], config.success_reward)))
         for label, source, tasks in splits]
+    categories = list(dict.fromkeys((label, task.category) for label, task in groups_of if task.category is not None))
+    category_results = [
+        CategoryResult(split=label, category=category,
+                       tasks=sum(1 for split, task in groups_of if (split, task.category) == (label, category)),
+                       **msgspec.structs.asdict(measure([o for job, o in zip(jobs, outcomes, strict=True)
+                                                         if (job.split, job.task.category) == (label, category)],
+                                                        config.success_reward)))
+        for label, category in categories]
     report = EvalReport(
         model=config.engine.model, harness=scheduler.harness.name, num_samples=config.num_samples, seed=config.seed,
         temperature=config.proxy.sampling.temperature, success_reward=config.success_reward, splits=split_results,
-        tasks=results, output_dir=str(output_dir), duration_s=round(time.time() - started, 1),
-        load_average=[round(v, 2) for v in os.getloadavg()])
+        categories=category_results, tasks=results, output_dir=str(output_dir),
+        duration_s=round(time.time() - started, 1), load_average=[round(v, 2) for v in os.getloadavg()])
     (output_dir / EVAL_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     return report
 
@@ -212,7 +229,7 @@ async def _run_all(scheduler: RolloutScheduler, jobs: list[Job], tick: Callable[
 
 
 def table(report: EvalReport) -> str:
-    """The report as a fixed-width table: every task, then every split."""
+    """The report as a fixed-width table: every task, then every category of a split, then every split."""
     header = (f"{'split':<10} {'task':<24} {'n':>3} {'success':>8} {'reward':>7} {'turns':>6} {'tools':>6} "
               f"{'gen tok':>8} {'chained':>8}")
     lines = [header, "-" * len(header)]
@@ -224,6 +241,9 @@ def table(report: EvalReport) -> str:
                 f"{m.mean_tool_calls:>6.2f} {m.mean_generated_tokens:>8.1f} {chained:>8}")
 
     lines += [line(t.split, t.task.rpartition("/")[2], t) for t in report.tasks]
+    if report.categories:
+        lines.append("-" * len(header))
+        lines += [line(c.split, f"{c.category} ({c.tasks} tasks)", c) for c in report.categories]
     lines.append("-" * len(header))
     lines += [line(s.split, f"(all {s.tasks} tasks)", s) for s in report.splits]
     return "\n".join(lines)
@@ -234,6 +254,7 @@ def comparison(before: EvalReport, after: EvalReport) -> str:
     header = f"{'split':<10} {'task':<24} {'success before':>15} {'after':>7} {'reward before':>14} {'after':>7}"
     lines = [header, "-" * len(header)]
     old: dict[tuple[str, str], Measures] = {(t.split, t.task): t for t in before.tasks}
+    old |= {(c.split, f"category {c.category}"): c for c in before.categories}
     old |= {(s.split, ""): s for s in before.splits}
 
     def line(split: str, name: str, key: tuple[str, str], m: Measures) -> str:
@@ -244,6 +265,10 @@ def comparison(before: EvalReport, after: EvalReport) -> str:
         return f"{split:<10} {name:<24} {success} {m.success_rate:>7.1%} {reward} {now}"
 
     lines += [line(t.split, t.task.rpartition("/")[2], (t.split, t.task), t) for t in after.tasks]
+    if after.categories:
+        lines.append("-" * len(header))
+        lines += [line(c.split, f"{c.category} ({c.tasks} tasks)", (c.split, f"category {c.category}"), c)
+                  for c in after.categories]
     lines.append("-" * len(header))
     lines += [line(s.split, f"(all {s.tasks} tasks)", (s.split, ""), s) for s in after.splits]
     return "\n".join(lines)
