@@ -90,6 +90,16 @@ async def test_mini_swe_agent_config_file_comes_before_overrides(sandbox) -> Non
     assert launch.env["OPENAI_API_KEY"] == ENDPOINT.api_key
     assert launch.env["MSWEA_COST_TRACKING"] == "ignore_errors" and launch.env["MSWEA_CONFIGURED"] == "true"
     assert launch.env["MSWEA_GLOBAL_CONFIG_DIR"].startswith(sandbox.home)
+    assert not any(c.startswith("agent.instance_template=") for c in configs)  # mini-swe-agent's own prompt
+
+
+async def test_mini_swe_agent_takes_a_task_prompt_that_places_the_task(sandbox) -> None:
+    template = "{{task}}\n\nOne command per reply."
+    launch = create_harness("mini-swe-agent", instance_template=template).launch(sandbox, ENDPOINT, "do the task")
+    configs = [launch.argv[i + 1] for i, arg in enumerate(launch.argv) if arg == "-c"]
+    assert configs[-1] == f"agent.instance_template={template}"
+    with pytest.raises(ValueError, match="must place the task with"):
+        create_harness("mini-swe-agent", instance_template="Solve it.")
 
 
 def events(*items: dict) -> ExecResult:

@@ -11,6 +11,10 @@ template variables come from `platform.uname()`, then the environment, which win
 them through the environment, so the prompt is the same on every machine (the `tiny-agent` demo
 needs that).
 
+`instance_template` replaces mini-swe-agent's task prompt (its `agent.instance_template`, a Jinja
+template with `{{task}}`): its default is about 1,100 tokens of workflow advice around the task, which
+a CPU demo model cannot read.
+
 A reply without a tool call is a format error: mini-swe-agent leaves that reply out of its history
 and sends an error message instead, so the next call cannot continue the reply's tokens (a new
 training row). It exits after `max_consecutive_format_errors` of them in a row (its own default: 3).
@@ -35,7 +39,8 @@ class MiniSweAgentHarness(Harness):
     package = Package("pypi", "mini-swe-agent", "2.4.6", "mini")
 
     def __init__(self, step_limit: int = 30, request_timeout_s: float = 3600.0,
-                 uname: dict[str, str] | None = None, max_consecutive_format_errors: int = 3) -> None:
+                 uname: dict[str, str] | None = None, max_consecutive_format_errors: int = 3,
+                 instance_template: str | None = None) -> None:
         unknown = set(uname or {}) - UNAME_FIELDS
         if unknown:
             raise ValueError(f"mini-swe-agent uname: unknown fields {sorted(unknown)}; use {sorted(UNAME_FIELDS)}")
@@ -43,6 +48,9 @@ class MiniSweAgentHarness(Harness):
         self.request_timeout_s = request_timeout_s
         self.uname = dict(uname or {})
         self.max_consecutive_format_errors = max_consecutive_format_errors
+        if instance_template is not None and "{{task}}" not in instance_template.replace(" ", ""):
+            raise ValueError("mini-swe-agent instance_template: it must place the task with {{task}}")
+        self.instance_template = instance_template
 
     def trajectory_path(self, sandbox: Sandbox) -> str:
         return str(PurePosixPath(sandbox.logs_dir) / "agent" / "mini-swe-agent.traj.json")
@@ -63,6 +71,8 @@ class MiniSweAgentHarness(Harness):
             "-c", f"agent.max_consecutive_format_errors={self.max_consecutive_format_errors}",
             "-c", "agent.cost_limit=0",
         ]
+        if self.instance_template is not None:
+            argv += ["-c", f"agent.instance_template={self.instance_template}"]
         env = isolated_env(
             sandbox,
             OPENAI_API_KEY=endpoint.api_key,
