@@ -50,13 +50,15 @@ train: $(STAMP)
 AGENT_RUN_NOW := runs/train-agent-$(shell date -u +%Y%m%d-%H%M%S)
 AGENT_RUN ?= $(AGENT_RUN_NOW)
 AGENT_SAMPLES ?= 2
-AGENT_EVAL = --tasks examples/agent-tasks/train --tasks examples/agent-tasks/heldout --num-samples $(AGENT_SAMPLES)
+AGENT_SEED ?= 0
+AGENT_EVAL = --tasks examples/agent-tasks/train --tasks examples/agent-tasks/heldout --num-samples $(AGENT_SAMPLES) \
+	--seed $(AGENT_SEED)
 AGENT_TRAIN ?=
 train-agent: $(STAMP)
 	$(BIN)/harness-rl build-model tiny-agent
 	$(BIN)/harness-rl eval --model tiny-agent $(AGENT_EVAL) --output-dir $(AGENT_RUN)/eval-before
 	$(BIN)/harness-rl train --harness mini-swe-agent --model tiny-agent --tasks examples/agent-tasks/train \
-		--output-dir $(AGENT_RUN) $(AGENT_TRAIN)
+		--seed $(AGENT_SEED) --output-dir $(AGENT_RUN) $(AGENT_TRAIN)
 	$(BIN)/harness-rl eval --config $(AGENT_RUN)/config.toml --model $(AGENT_RUN) $(AGENT_EVAL) \
 		--output-dir $(AGENT_RUN)/eval-after --baseline $(AGENT_RUN)/eval-before
 

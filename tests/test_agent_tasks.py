@@ -10,6 +10,9 @@ verifier's Harbor paths to its host directories).
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -20,8 +23,10 @@ from adapters.verifier import verify
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1] / "examples" / "agent-tasks"
+WARMUP = load_tasks(ROOT / "warmup")
 TRAIN = load_tasks(ROOT / "train")
 HELDOUT = load_tasks(ROOT / "heldout")
+FAMILIES = ("copy-into", "count-lines", "sort-lines", "append-word")
 INSPECTIONS = ("cat", "grep", "wc")
 ISOLATIONS = ["none", pytest.param("bwrap", marks=pytest.mark.skipif(shutil.which("bwrap") is None,
                                                                      reason="bubblewrap is not installed"))]
@@ -29,12 +34,21 @@ ISOLATIONS = ["none", pytest.param("bwrap", marks=pytest.mark.skipif(shutil.whic
 
 def test_the_split_is_large_enough_and_disjoint() -> None:
     assert len(TRAIN) >= 6 and len(HELDOUT) >= 2
-    names = [t.name for t in TRAIN + HELDOUT]
+    names = [t.name for t in WARMUP + TRAIN + HELDOUT]
     assert len(set(names)) == len(names)
-    assert {t.path.name for t in TRAIN}.isdisjoint({t.path.name for t in HELDOUT})
+    assert len({t.path.name for t in WARMUP + TRAIN + HELDOUT}) == len(names)
 
 
-@pytest.mark.parametrize("task", TRAIN + HELDOUT, ids=lambda t: t.path.name)
+def test_the_tasks_are_the_families_draw_and_every_held_out_task_is_a_new_instance_of_a_trained_family() -> None:
+    checked = subprocess.run([sys.executable, str(ROOT / "families.py"), "--check"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    for split, count in ((WARMUP, 12), (TRAIN, 8), (HELDOUT, 3)):
+        assert Counter(t.category for t in split) == dict.fromkeys(FAMILIES, count)
+    instructions = [t.instruction for t in WARMUP + TRAIN + HELDOUT]
+    assert len(set(instructions)) == len(instructions)
+
+
+@pytest.mark.parametrize("task", WARMUP + TRAIN + HELDOUT, ids=lambda t: t.path.name)
 def test_each_task_is_short_and_needs_several_commands(task: Task) -> None:
     assert len(task.solution_steps) >= 2
     assert all("\n" not in step for step in task.solution_steps)
@@ -61,18 +75,18 @@ async def _reward(task: Task, isolation: str, steps: list[str], whole_script: bo
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
-@pytest.mark.parametrize("task", TRAIN + HELDOUT, ids=lambda t: t.path.name)
+@pytest.mark.parametrize("task", WARMUP + TRAIN + HELDOUT, ids=lambda t: t.path.name)
 async def test_solution_steps_pass_and_doing_nothing_fails(task: Task, isolation: str) -> None:
     assert await _reward(task, isolation, []) == 0.0
     assert await _reward(task, isolation, task.solution_steps) == 1.0
 
 
-@pytest.mark.parametrize("task", TRAIN + HELDOUT, ids=lambda t: t.path.name)
+@pytest.mark.parametrize("task", WARMUP + TRAIN + HELDOUT, ids=lambda t: t.path.name)
 async def test_solution_runs_whole_as_harbors_oracle(task: Task) -> None:
     assert await _reward(task, "none", [], whole_script=True) == 1.0
 
 
-@pytest.mark.parametrize("task", TRAIN + HELDOUT, ids=lambda t: t.path.name)
+@pytest.mark.parametrize("task", WARMUP + TRAIN + HELDOUT, ids=lambda t: t.path.name)
 async def test_half_the_work_scores_0(task: Task) -> None:
     """The first command alone never solves a task; nor do the others alone, unless the first only looks."""
     first, *rest = task.solution_steps

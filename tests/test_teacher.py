@@ -18,7 +18,7 @@ from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
 from harness_rl.trace import TrainingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = [ROOT / "examples" / "agent-tasks" / "train" / name for name in ("fix-typo", "make-script")]
+TASKS = [ROOT / "examples" / "agent-tasks" / "train" / name for name in ("copy-into-13", "count-lines-13")]
 
 
 def test_the_script_is_one_bash_call_per_solution_line_then_the_submit() -> None:
@@ -29,9 +29,9 @@ def test_the_script_is_one_bash_call_per_solution_line_then_the_submit() -> None
         return [json.loads(reply.split("\n")[1])["arguments"]["command"] for reply in replies]
 
     submit = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-    assert commands(Demo(task)) == ["cat notes.txt", "sed -i 's/helo/hello/' notes.txt", submit]
-    assert commands(Demo(task, 1)) == ["cat notes.txt", submit]
-    assert Demo(task).name == "harness-rl__fix-typo" and Demo(task, 1).name == "harness-rl__fix-typo__first-1"
+    assert commands(Demo(task)) == ["mkdir labels", "cp values.txt labels/", submit]
+    assert commands(Demo(task, 1)) == ["mkdir labels", submit]
+    assert Demo(task).name == "harness-rl__copy-into-13" and Demo(task, 1).name == "harness-rl__copy-into-13__first-1"
     with pytest.raises(TeacherError, match="no teacher script for opencode"):
         script_for(Demo(task), "opencode")
 
@@ -44,8 +44,9 @@ def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_m
     records = teacher_traces(demos, tiny_model_dir, tmp_path / "teacher", harness_options=AGENT_HARNESS_OPTIONS)
     assert [(r.reward, r.unused_replies, r.turns, r.replayed) for r in records] == [
         (1.0, 0, 3, True), (1.0, 0, 3, True), (0.0, 0, 2, True)]
-    assert [r.trace for r in records] == ["traces/harness-rl__fix-typo.json", "traces/harness-rl__make-script.json",
-                                          "traces/harness-rl__fix-typo__first-1.json"]
+    assert [r.trace for r in records] == ["traces/harness-rl__copy-into-13.json",
+                                          "traces/harness-rl__count-lines-13.json",
+                                          "traces/harness-rl__copy-into-13__first-1.json"]
     logged = [json.loads(line) for line in (tmp_path / "teacher" / "rollouts.jsonl").read_text().splitlines()]
     assert [line["demo"] for line in logged] == [d.name for d in demos]
     records = records[:2]

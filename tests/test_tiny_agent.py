@@ -12,7 +12,8 @@ from harness_rl.demo.tiny_agent import (
     COMPLETE,
     EARLY_STOP_STEPS,
     HABIT,
-    TEACHER_TASKS,
+    TRAIN_TASKS,
+    WARMUP_TASKS,
     TinyAgentError,
     default_cache_dir,
     recipe,
@@ -24,14 +25,15 @@ from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, PINNED_UNAME
 
 def test_the_task_digest_follows_every_file_of_the_tasks(tmp_path: Path) -> None:
     copy = tmp_path / "train"
-    shutil.copytree(TEACHER_TASKS, copy)
-    assert tasks_digest(copy) == tasks_digest(TEACHER_TASKS)
-    solution = copy / "fix-typo" / "solution" / "solve.sh"
-    solution.write_text(solution.read_text().replace("cat notes.txt", "head notes.txt"))
-    changed = tasks_digest(copy)
-    assert changed != tasks_digest(TEACHER_TASKS)
-    (copy / "fix-typo" / "solution" / "README").write_text("")
-    assert tasks_digest(copy) != changed
+    shutil.copytree(TRAIN_TASKS, copy)
+    assert tasks_digest(WARMUP_TASKS, copy) == tasks_digest(WARMUP_TASKS, TRAIN_TASKS)
+    solution = copy / "copy-into-13" / "solution" / "solve.sh"
+    solution.write_text(solution.read_text().replace("mkdir labels", "mkdir -p labels"))
+    changed = tasks_digest(WARMUP_TASKS, copy)
+    assert changed != tasks_digest(WARMUP_TASKS, TRAIN_TASKS)
+    (copy / "copy-into-13" / "solution" / "README").write_text("")
+    assert tasks_digest(WARMUP_TASKS, copy) != changed
+    assert tasks_digest(copy, WARMUP_TASKS) != tasks_digest(WARMUP_TASKS, copy)
 
 
 def test_the_recipe_names_its_inputs_and_keys_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

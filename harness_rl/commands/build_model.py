@@ -19,7 +19,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "solutions of examples/agent-tasks/train, deliberately under-trained (a few minutes on a CPU). "
                     "Both are deterministic and cached under $HARNESS_RL_CACHE (default ~/.cache/harness-rl).")
     parser.add_argument("name", choices=BUILT_MODELS)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the build (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of tiny's build (default: 0); tiny-agent is one build, from seed 0")
     parser.set_defaults(run=run)
 
 

@@ -3,7 +3,9 @@
 `demo.tiny_agent`).
 
 The faces resolve `--model` here before a run starts (`model_dir`), so the run level only ever sees
-a directory or a hub id. Each built model takes the run's seed and is cached after its first build.
+a directory or a hub id. Both are cached after their first build. `tiny` is a random start, built from
+the run's seed; `tiny-agent` is a trained start, like the pretrained model a user brings: one build
+(seed 0) whatever the run's seed, so `--seed` varies a run's learning and sampling, not where it starts.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from harness_rl.settings import ConfigError
 
 
 def model_dir(model: str, *, seed: int = 0, harness: str = "mini-swe-agent") -> Path:
-    """The local directory `model` names, built first if it is `tiny` or `tiny-agent` and not cached yet."""
+    """The local directory `model` names, built first if it is `tiny` (from `seed`) or `tiny-agent` and not cached
+    yet."""
     if model == "tiny":
         from harness_rl.engine.tiny_model import build_tiny_model, default_cache_dir
 
         return build_tiny_model(default_cache_dir(seed), seed=seed)
     if model == "tiny-agent":
-        from harness_rl.demo.tiny_agent import build_tiny_agent
+        from harness_rl.demo.tiny_agent import TINY_AGENT_SEED, build_tiny_agent
 
-        return build_tiny_agent(seed, harness)
+        return build_tiny_agent(TINY_AGENT_SEED, harness)
     return local_model(model)
 
 

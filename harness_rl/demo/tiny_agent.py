@@ -3,23 +3,23 @@
 A random model never emits a valid tool call, so RL from `tiny` has nothing to reinforce. The recipe:
 1. the offline `tiny` model (random 0.8M-parameter Qwen2 and its BPE tokenizer, `engine.tiny_model`);
 2. teacher traces (`harness_rl.demo.teacher`): mini-swe-agent driven through the proxy with forced replies
-   on every task of `examples/agent-tasks/train` (never the held-out tasks), twice per task: once
-   replaying the whole reference solution (the verifier scores 1), once submitting right after its
-   first command (scored 0: an imperfect teacher's habit of stopping early);
+   replaying the whole reference solution (the verifier scores 1) of every task of
+   `examples/agent-tasks/warmup` and `train` (instances of four task families; never the held-out
+   ones), and for each training task once more submitting right after its first command (scored 0: an
+   imperfect teacher's habit of stopping early);
 3. `harness-rl sft` in two phases: `COMPLETE` on the complete demonstrations only (reward 1: the
-   model learns each task's commands), then `HABIT`, a short phase at a low learning rate on all of
-   them (the model picks up the habit of stopping after the first command part of the time).
+   model learns each family's commands, and to copy the instruction's names into them), then `HABIT`,
+   a short phase at a low learning rate on all of them (the model picks up the habit of stopping
+   after the first command part of the time).
 
-So tiny-agent knows the commands but is deliberately left undecided about finishing: on the training
-tasks it solves about a fifth to two fifths of its samples (19 % in `make train-agent`'s evaluation,
-38 % over the first three GRPO steps), failing mostly by submitting early. That one decision is
-shared by every task, so GRPO's updates from different tasks agree, and the verifier's reward
-teaches it to finish within a few steps. (Stopping the first phase early instead also gives partial
-success, but its mistakes are task-specific confusions of one task's commands with another's;
-measured on this machine, 12-15 GRPO steps of 8 rollouts did not raise its reward.)
+So tiny-agent knows the commands but is deliberately left undecided about finishing, and fails mostly
+by submitting early. That one decision is shared by every task and family, so GRPO's updates from
+different tasks agree, the verifier's reward teaches it to finish, and what it learns carries over to
+the held-out instances of the same families.
 
-What it is: a random model that memorised which shell commands follow which task instruction in
-mini-swe-agent's prompt, and whether to stop. It does not reason; it cannot solve a task it was not shown.
+What it is: a random model that learned, from 80 demonstrations, which shell commands each kind of
+instruction in mini-swe-agent's prompt calls for, which names of the instruction go where in them, and
+whether to stop. It does not reason; it solves no task outside the four families.
 
 The build is deterministic (the teacher's prompts are pinned: `config.PINNED_UNAME`; training runs on
 the CPU with one thread and a fixed seed) and cached like `tiny`, under
@@ -44,12 +44,14 @@ import msgspec
 from harness_rl.learner.config import SftConfig
 from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_TASKS
 
-RECIPE_VERSION = "2"
+RECIPE_VERSION = "3"
+TINY_AGENT_SEED = 0  # the one build runs start from, whatever their seed (`demo.models`)
 HARNESSES = ("mini-swe-agent",)
-TEACHER_TASKS = AGENT_TASKS / "train"
+WARMUP_TASKS = AGENT_TASKS / "warmup"  # shown complete only
+TRAIN_TASKS = AGENT_TASKS / "train"  # shown complete and stopped early
 EARLY_STOP_STEPS = 1  # the imperfect demonstrations submit after this many solution lines
-COMPLETE = SftConfig(epochs=100, learning_rate=3e-3, token_budget=2048, min_reward=1.0)
-HABIT = SftConfig(epochs=5, learning_rate=3e-4, token_budget=2048, min_reward=0.0)
+COMPLETE = SftConfig(epochs=150, learning_rate=3e-3, token_budget=2048, min_reward=1.0)
+HABIT = SftConfig(epochs=3, learning_rate=1e-3, token_budget=2048, min_reward=0.0)
 
 
 class TinyAgentError(RuntimeError):
@@ -74,11 +76,13 @@ class Recipe(msgspec.Struct, kw_only=True, frozen=True):
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:12]
 
 
-def tasks_digest(root: Path) -> str:
-    """sha256 over every file under `root` (relative path and bytes, in sorted order)."""
+def tasks_digest(*roots: Path) -> str:
+    """sha256 over every file under each of `roots` (relative path and bytes, in sorted order)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(b"\1")
     return digest.hexdigest()
 
 
@@ -96,7 +100,7 @@ def recipe(seed: int = 0, harness: str = "mini-swe-agent") -> Recipe:
         raise TinyAgentError(f"tiny-agent needs {package.spec} (pip install 'harness-rl[dev]')")
     return Recipe(recipe=RECIPE_VERSION, seed=seed, tiny_recipe=TINY_RECIPE, harness=harness,
                   harness_version=installed, harness_options=AGENT_HARNESS_OPTIONS,
-                  tasks_sha256=tasks_digest(TEACHER_TASKS), early_stop_steps=EARLY_STOP_STEPS,
+                  tasks_sha256=tasks_digest(WARMUP_TASKS, TRAIN_TASKS), early_stop_steps=EARLY_STOP_STEPS,
                   sft=[_settings(COMPLETE), _settings(HABIT)])
 
 
@@ -136,13 +140,15 @@ def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: 
     if is_cached(cache_dir, expected):
         return cache_dir
     say = log or (lambda text: print(text, file=sys.stderr, flush=True))
-    say(f"tiny-agent: building {cache_dir} (teacher traces of {harness} on {TEACHER_TASKS.name}/, then sft)")
+    say(f"tiny-agent: building {cache_dir} (teacher traces of {harness} on {WARMUP_TASKS.name}/ and "
+        f"{TRAIN_TASKS.name}/, then sft)")
     staging = cache_dir.with_name(cache_dir.name + f".building-{random.getrandbits(32):08x}")
     work = staging.with_name(staging.name + "-work")
     try:
         tiny = build_tiny_model(tiny_cache_dir(seed), seed=seed)
-        tasks = load_tasks(TEACHER_TASKS)
-        demos = [Demo(task) for task in tasks] + [Demo(task, EARLY_STOP_STEPS) for task in tasks]
+        train = load_tasks(TRAIN_TASKS)
+        demos = ([Demo(task) for task in load_tasks(WARMUP_TASKS) + train]
+                 + [Demo(task, EARLY_STOP_STEPS) for task in train])
         records = teacher_traces(demos, tiny, work / "teacher", harness=harness, harness_options=built.harness_options,
                                  on_rollout=lambda r: say(f"tiny-agent: teacher {r.demo}: reward {r.reward}, "
                                                           f"{r.turns} turns, {r.seconds:.1f}s"))

@@ -34,8 +34,9 @@ StructT = TypeVar("StructT", bound=msgspec.Struct)
 class RunConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     preset: Annotated[Preset, setting("defaults to start from; the model decides when not given (tiny: demo)",
                                       flag=None)] = "real"
-    seed: Annotated[int, setting("seed of the tiny model, the learner, and every rollout's sampling (each proxy "
-                                 "session seeds its engine calls from it, the step and the rollout)")] = 0
+    seed: Annotated[int, setting("seed of the tiny model (not tiny-agent: one build), the learner, and every "
+                                 "rollout's sampling (each proxy session seeds its engine calls from it, the step and "
+                                 "the rollout)")] = 0
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     rollouts: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
@@ -52,8 +53,9 @@ class EvalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "several splits, each labelled by its folder name; none given: the preset's training tasks")] = []
     num_samples: Annotated[AtLeastOne, setting("rollouts per task")] = 4
     success_reward: Annotated[float, setting("a rollout succeeds when its reward is at least this")] = 1.0
-    seed: Annotated[int, setting("seed of the tiny models and of every rollout's sampling (each proxy session "
-                                 "seeds its engine calls from it, the task and the sample)")] = 0
+    seed: Annotated[int, setting("seed of the tiny model (not tiny-agent: one build) and of every rollout's "
+                                 "sampling (each proxy session seeds its engine calls from it, the task and the "
+                                 "sample)")] = 0
     output_dir: Annotated[str | None, setting("where eval.json, rollouts.jsonl and traces/ go; none: "
                                               "runs/eval-<harness>-<UTC time>")] = None
     baseline: Annotated[str | None, setting("an earlier evaluation (its eval.json or directory) to print beside this "

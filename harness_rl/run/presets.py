@@ -23,7 +23,12 @@ Preset = Literal["demo", "agent", "real"]
 PINNED_UNAME = {"system": "Linux", "release": "6.1.0", "version": "#1 SMP", "machine": "x86_64"}
 # A reply without a tool call ends the agent demo's rollout: mini-swe-agent drops such a reply from its history,
 # so the turn after it could not continue its tokens (README, "The agent demo").
-AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1}
+# mini-swe-agent's own task prompt is about 1,100 tokens of workflow advice with the task at its top; a 0.8M-parameter
+# model cannot look that far back for the names it must copy, so the demo gives it the task and the rules alone.
+AGENT_INSTANCE_TEMPLATE = ("{{task}}\n\nRun one bash command per reply. When the task is done, run "
+                           "`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` alone.")
+AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1,
+                                         "instance_template": AGENT_INSTANCE_TEMPLATE}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "real": {},
@@ -38,7 +43,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "engine": {"model": "tiny-agent"},
         "rollouts": {"harness": "mini-swe-agent", "tasks": str(AGENT_TASKS / "train"), "max_tokens_per_turn": 64,
                      "num_generations": 4, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
-        "learner": {"learning_rate": 1e-3, "max_steps": 10, "groups_per_step": 2,
+        "learner": {"learning_rate": 1e-3, "max_steps": 12, "groups_per_step": 2,
                     "loss": {"normalization": "rollout"}},
     },
 }

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Reward 1 when entries.txt holds 3, whitespace ignored, else 0.
+mkdir -p /logs/verifier
+cd /app
+if [ -f entries.txt ] && [ "$(tr -d "[:space:]" < entries.txt)" = "3" ]; then
+    echo 1 > /logs/verifier/reward.txt
+else
+    echo 0 > /logs/verifier/reward.txt
+fi

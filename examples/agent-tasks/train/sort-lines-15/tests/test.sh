@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Reward 1 when memo.txt holds the lines of entries.txt in order, else 0.
+mkdir -p /logs/verifier
+cd /app
+if [ -f memo.txt ] && [ "$(cat memo.txt)" = "$(printf %s 'hotel
+india
+kilo
+lima
+papa
+sierra')" ]; then
+    echo 1 > /logs/verifier/reward.txt
+else
+    echo 0 > /logs/verifier/reward.txt
+fi

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Reward 1 when names.txt ends with the line entries, else 0.
+mkdir -p /logs/verifier
+cd /app
+if [ -f names.txt ] && [ "$(cat names.txt)" = "$(printf %s 'oscar
+papa
+hotel
+entries')" ]; then
+    echo 1 > /logs/verifier/reward.txt
+else
+    echo 0 > /logs/verifier/reward.txt
+fi

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# The reference solution, run in the task's workdir: one command per line, one agent tool call each.
+wc -l report.txt
+wc -l < report.txt > items.txt

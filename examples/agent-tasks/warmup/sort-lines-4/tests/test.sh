@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Reward 1 when report.txt holds the lines of names.txt in order, else 0.
+mkdir -p /logs/verifier
+cd /app
+if [ -f report.txt ] && [ "$(cat report.txt)" = "$(printf %s 'bravo
+golf
+hotel
+india
+sierra')" ]; then
+    echo 1 > /logs/verifier/reward.txt
+else
+    echo 0 > /logs/verifier/reward.txt
+fi
