@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from adapters.tasks import load_task
 from harness_rl.cli import main
 from harness_rl.demo.teacher import Demo, TeacherError, script_for, teacher_traces
-from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_INSTANCE_TEMPLATE
 from harness_rl.trace import TrainingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,8 @@ def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_m
         assert commands[:-1] == task.solution_steps
         assert all(t.completion_mask == [1] * len(t.completion_token_ids) for t in agents)
         prompt = str(tokenizer.decode(agents[0].prompt_token_ids))
-        assert "Linux 6.1.0 #1 SMP x86_64" in prompt  # the pinned uname, whatever machine this is
+        task_prompt = AGENT_INSTANCE_TEMPLATE.replace("{{task}}", task.instruction)  # the demo's, not mini's own
+        assert f"<|im_start|>user\n{task_prompt}<|im_end|>\n<|im_start|>assistant\n" in prompt
 
     again = teacher_traces(demos[:1], tiny_model_dir, tmp_path / "again", harness_options=AGENT_HARNESS_OPTIONS)
     replay = TrainingTrace.load(tmp_path / "again" / str(again[0].trace))
