@@ -125,11 +125,12 @@ def test_unknown_task_toml_keys_are_allowed_and_known_ones_typed(tmp_path: Path)
     shutil.copytree(TASKS / "write-greeting", task)
     (task / "task.toml").write_text('version = "1.0"\nartifacts = ["out"]\n[agent]\ntimeout_sec = 90\nuser = "agent"\n'
                                     '[verifier]\ntimeout_sec = 12.5\nenv = { MODE = "strict" }\n'
-                                    '[environment]\ncpus = 2\nenv = { TZ = "UTC" }\n[metadata]\nlevel = 3\n')
+                                    '[environment]\ncpus = 2\nenv = { TZ = "UTC" }\n[metadata]\nlevel = 3\n'
+                                    'category = "files"\n')
     [loaded] = load_tasks(task)
     assert (loaded.name, loaded.agent_timeout_s, loaded.verifier_timeout_s) == ("task", 90.0, 12.5)
     assert (loaded.verifier_env, loaded.environment_env, loaded.workdir) == ({"MODE": "strict"}, {"TZ": "UTC"}, "/app")
-    assert loaded.config.metadata == {"level": 3}
+    assert loaded.category == "files"  # Harbor's own metadata key; the others are allowed and not read
 
 
 def test_missing_task_files_are_named_at_load(tmp_path: Path) -> None:
