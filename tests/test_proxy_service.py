@@ -99,16 +99,19 @@ def test_serve_proxy_listens_while_its_engine_loads_and_serves_once_it_is_up(eng
             while "waiting for the engine" in serving:  # a line every 30 s until the engine answers
                 serving = proxy.line()
             assert serving.startswith(f"harness-rl proxy on {url} -> {engine_url} "), serving
-            assert proxy.line() == ("harness-rl proxy: prompts are rendered by the engine: its model tiny has no "
-                                    "tokenizer.json on this machine (a local directory, or the Hugging Face cache); "
-                                    "--local-render DIR names one")  # said once the engine answers
+            assert proxy.line() == (f"harness-rl proxy: prompts are rendered in the proxy with the tokenizer and "
+                                    f"chat template in {engine.model_root} (the engine's model directory)")
             assert httpx.get(f"{url}/health").status_code == 200
             assert httpx.get(f"{url}/health").json()["reason"] is None
             chat = httpx.post(f"{session['openai_base_url']}/chat/completions", headers=key, timeout=60,
                               json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                     "max_tokens": 4})
             assert chat.status_code == 200, chat.text
-            assert proxy.stop() == ""
+            # the tiny model's tokenizer.json splits "\n\n" in two; transformers, which the engine loads it with,
+            # splits text by Qwen2's own pattern for a qwen2 model: the probe finds they differ, and the engine renders
+            assert proxy.stop() == ("prompts are rendered by the engine from now on, not in the proxy: its rendering "
+                                    "of a probe conversation differs from the engine's (another template, or "
+                                    "template arguments set on the server?)\n")
     finally:
         proxy.kill()
 

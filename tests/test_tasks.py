@@ -76,7 +76,7 @@ def test_shipped_tasks_load_with_their_settings() -> None:
     assert (fix.workdir, fix.agent_timeout_s, fix.verifier_timeout_s) == ("/app", 300.0, 60.0)
     assert fix.workspace_seed == TASKS / "fix-off-by-one" / "environment" / "workspace"
     assert greeting.workspace_seed is None
-    assert digits.config.metadata["answer_file"] == "answer.txt"
+    assert digits.category is None  # its [metadata] holds only keys harness-rl does not read
     assert load_tasks(TASKS / "digits") == [digits]
 
 
