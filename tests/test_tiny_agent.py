@@ -20,7 +20,7 @@ from harness_rl.demo.tiny_agent import (
     tasks_digest,
 )
 from harness_rl.run.config import resolve
-from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, PINNED_UNAME
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS
 
 
 def test_the_task_digest_follows_every_file_of_the_tasks(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_the_recipe_names_its_inputs_and_keys_the_cache(monkeypatch: pytest.Monk
 
     built = recipe(0)
     assert built.harness == "mini-swe-agent" and built.harness_version == importlib.metadata.version("mini-swe-agent")
-    assert built.harness_options == AGENT_HARNESS_OPTIONS and built.harness_options["uname"] == PINNED_UNAME
+    assert built.harness_options == AGENT_HARNESS_OPTIONS
     assert built.sft == [{"min_reward": p.min_reward, "epochs": p.epochs, "learning_rate": p.learning_rate,
                           "token_budget": p.token_budget, "weight_decay": p.weight_decay,
                           "max_grad_norm": p.max_grad_norm} for p in (COMPLETE, HABIT)]

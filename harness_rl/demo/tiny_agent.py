@@ -21,8 +21,8 @@ What it is: a random model that learned, from 80 demonstrations, which shell com
 instruction in mini-swe-agent's prompt calls for, which names of the instruction go where in them, and
 whether to stop. It does not reason; it solves no task outside the four families.
 
-The build is deterministic (the teacher's prompts are pinned: `config.PINNED_UNAME`; training runs on
-the CPU with one thread and a fixed seed) and cached like `tiny`, under
+The build is deterministic (the teacher's prompts are the demo's own template, the same on every machine;
+training runs on the CPU with one thread and a fixed seed) and cached like `tiny`, under
 `$HARNESS_RL_CACHE/tiny-agent-<seed>-<key>`, where the key hashes everything it depends on
 (`Recipe`): this recipe's version, the seed, the tiny model's recipe, the task folders with their
 solutions, the harness and its installed version, the harness options, the demonstrations and both

@@ -18,16 +18,13 @@ DEMO_TASK = EXAMPLES / "tasks" / "digits"
 AGENT_TASKS = EXAMPLES / "agent-tasks"
 Preset = Literal["demo", "agent", "real"]
 
-# mini-swe-agent puts the machine's uname in its prompt; the agent demo pins it, so the prompts tiny-agent
-# learned from are the same on every machine (its cache is portable).
-PINNED_UNAME = {"system": "Linux", "release": "6.1.0", "version": "#1 SMP", "machine": "x86_64"}
 # A reply without a tool call ends the agent demo's rollout: mini-swe-agent drops such a reply from its history,
 # so the turn after it could not continue its tokens (README, "The agent demo").
 # mini-swe-agent's own task prompt is about 1,100 tokens of workflow advice with the task at its top; a 0.8M-parameter
 # model cannot look that far back for the names it must copy, so the demo gives it the task and the rules alone.
 AGENT_INSTANCE_TEMPLATE = ("{{task}}\n\nRun one bash command per reply. When the task is done, run "
                            "`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` alone.")
-AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "uname": PINNED_UNAME, "max_consecutive_format_errors": 1,
+AGENT_HARNESS_OPTIONS: dict[str, Any] = {"step_limit": 6, "max_consecutive_format_errors": 1,
                                          "instance_template": AGENT_INSTANCE_TEMPLATE}
 
 PRESETS: dict[str, dict[str, Any]] = {
