@@ -8,8 +8,7 @@ Chat and sends the leaf name. Its global config dir lives in the sandbox's priva
 
 mini-swe-agent's prompt shows the machine's `uname` (system, release, version, machine: its
 template variables come from `platform.uname()`, then the environment, which wins). `uname` pins
-them through the environment, so the prompt is the same on every machine (the `tiny-agent` demo
-needs that).
+them through the environment, so the prompt is the same on every machine.
 
 `instance_template` replaces mini-swe-agent's task prompt (its `agent.instance_template`, a Jinja
 template with `{{task}}`): its default is about 1,100 tokens of workflow advice around the task, which
