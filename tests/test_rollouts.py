@@ -9,6 +9,7 @@ sandbox directory or open session left behind).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 from pathlib import Path
 
@@ -182,17 +183,32 @@ async def _until(condition, limit_s: float = 120.0) -> None:
 
 
 def test_each_pass_over_the_tasks_visits_every_task_once_in_an_order_seeded_by_run_and_pass() -> None:
-    passes = [task_order(0, 8, epoch) for epoch in range(3)]
+    passes = [task_order(0, [None] * 8, epoch) for epoch in range(3)]
     assert all(sorted(order) == list(range(8)) for order in passes)
     assert passes[0] != passes[1] != passes[2] and passes[0] != list(range(8))
-    assert task_order(0, 8, 1) == passes[1] and task_order(1, 8, 0) != passes[0]
+    assert task_order(0, [None] * 8, 1) == passes[1] and task_order(1, [None] * 8, 0) != passes[0]
+
+
+def test_each_pass_spreads_every_category_evenly_so_any_stretch_of_steps_holds_each_kind_in_its_share() -> None:
+    """Four kinds of six tasks, sorted by kind as a folder lists them: in every prefix of every pass (400 seeded
+    passes) each kind's count is within one task of its share; a plain shuffle strays by up to 3.75."""
+    categories = [kind for kind in "abcd" for _ in range(6)]
+    worst = 0.0
+    for seed, epoch in itertools.product(range(200), range(2)):
+        order = task_order(seed, categories, epoch)
+        assert sorted(order) == list(range(24))
+        for end, kind in itertools.product(range(1, 25), "abcd"):
+            worst = max(worst, abs(sum(categories[i] == kind for i in order[:end]) - end / 4))
+    assert worst <= 1
+    mixed = task_order(0, ["x"] * 5 + ["y"] * 2 + [None] * 3, 0)  # unequal kinds, and tasks with none
+    assert sorted(mixed) == list(range(10)) and mixed == task_order(0, ["x"] * 5 + ["y"] * 2 + [None] * 3, 0)
 
 
 @pytest.mark.parametrize("lockstep", [False, True])
 async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake_engine, lockstep) -> None:
     """Group 0 is held back until groups 1 and 2 are done: in lockstep it still comes first, otherwise last."""
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
-    harness = HeldBack(tasks[task_order(0, 3, 0)[0]].instruction)  # group 0's task
+    harness = HeldBack(tasks[task_order(0, [task.category for task in tasks], 0)[0]].instruction)  # group 0's task
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=lockstep)
     runner.max_groups = 3
     handed: list[int] = []
@@ -212,7 +228,7 @@ async def test_lockstep_hands_groups_over_in_the_order_they_started(client, fake
 
 async def test_hold_waits_for_every_group_in_flight_and_starts_none_until_release(client, fake_engine) -> None:
     tasks = [load_task(TASKS / name) for name in ("fix-off-by-one", "digits", "write-greeting")]
-    harness = HeldBack(tasks[task_order(0, 3, 0)[0]].instruction)  # group 0's task
+    harness = HeldBack(tasks[task_order(0, [task.category for task in tasks], 0)[0]].instruction)  # group 0's task
     runner = scheduler(client, tasks, harness=harness, num_generations=2, max_concurrent_rollouts=4, lockstep=True)
     runner.max_groups = 5
     runner._fill()

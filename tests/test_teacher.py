@@ -29,8 +29,8 @@ def test_the_script_is_one_bash_call_per_solution_line_then_the_submit() -> None
         return [json.loads(reply.split("\n")[1])["arguments"]["command"] for reply in replies]
 
     submit = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-    assert commands(Demo(task)) == ["mkdir labels", "cp values.txt labels/", submit]
-    assert commands(Demo(task, 1)) == ["mkdir labels", submit]
+    assert commands(Demo(task)) == ["cat values.txt", "mkdir labels", "cp values.txt labels/", submit]
+    assert commands(Demo(task, 1)) == ["cat values.txt", submit]
     assert Demo(task).name == "harness-rl__copy-into-13" and Demo(task, 1).name == "harness-rl__copy-into-13__first-1"
     with pytest.raises(TeacherError, match="no teacher script for opencode"):
         script_for(Demo(task), "opencode")
@@ -43,7 +43,7 @@ def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_m
     demos = [Demo(tasks[0]), Demo(tasks[1]), Demo(tasks[0], 1)]
     records = teacher_traces(demos, tiny_model_dir, tmp_path / "teacher", harness_options=AGENT_HARNESS_OPTIONS)
     assert [(r.reward, r.unused_replies, r.turns, r.replayed) for r in records] == [
-        (1.0, 0, 3, True), (1.0, 0, 3, True), (0.0, 0, 2, True)]
+        (1.0, 0, 4, True), (1.0, 0, 3, True), (0.0, 0, 2, True)]
     assert [r.trace for r in records] == ["traces/harness-rl__copy-into-13.json",
                                           "traces/harness-rl__count-lines-13.json",
                                           "traces/harness-rl__copy-into-13__first-1.json"]
@@ -56,7 +56,7 @@ def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_m
     for trace, task in zip(traces, tasks, strict=True):
         assert trace.metadata["reward"] == 1.0 and trace.metadata["task"] == task.name
         agents = [t for t in trace.turns if t.role == "agent"]
-        assert len(agents) == len(trace.turns) == 3
+        assert len(agents) == len(trace.turns) == len(task.solution_steps) + 1
         for parent, child in zip(agents, agents[1:], strict=False):
             assert child.parent_id == parent.node_id
             assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence

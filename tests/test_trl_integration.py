@@ -169,7 +169,7 @@ def test_the_factory_is_built_like_harbors_and_refuses_what_cannot_run(monkeypat
                                       agent_timeout_s=300)
     assert (factory.rollouts.harness, factory.rollouts.max_turns, factory.rollouts.agent_timeout_s) == \
         ("mini-swe-agent", 12, 300)
-    assert len(factory.tasks) == len(load_tasks(AGENT_TASKS)) == 32
+    assert len(factory.tasks) == len(load_tasks(AGENT_TASKS)) == 24
     with pytest.raises(ValueError, match="engine_url .* or the proxy_url"):
         HarnessRLSessionFactory(AGENT_TASKS)
     with pytest.raises(ValueError, match="not both"):

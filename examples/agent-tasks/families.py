@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SEED = 0
-SPLITS = {"warmup": 12, "train": 8, "heldout": 3}  # instances per family
+SPLITS = {"warmup": 12, "train": 6, "heldout": 5}  # instances per family
 NAMES = ["data", "report", "memo", "items", "words", "table", "labels", "entries", "results", "values", "numbers",
          "names"]
 LINES = ["alpha", "bravo", "delta", "echo", "golf", "hotel", "india", "kilo", "lima", "oscar", "papa", "sierra"]
@@ -65,8 +65,8 @@ def _expect(path: str, text: str) -> str:
 def copy_into(rng: random.Random) -> Instance:
     name, folder = rng.sample(NAMES, 2)
     text = _lines(rng, 3)
-    return Instance(f"Create a directory {folder} and copy {name}.txt into it.", {f"{name}.txt": text},
-                    [f"mkdir {folder}", f"cp {name}.txt {folder}/"],
+    return Instance(f"Copy {name}.txt into a new directory {folder}.", {f"{name}.txt": text},
+                    [f"cat {name}.txt", f"mkdir {folder}", f"cp {name}.txt {folder}/"],
                     f"{_expect(f'{folder}/{name}.txt', text)} && {_expect(f'{name}.txt', text)}",
                     f"{folder}/{name}.txt is a copy of the untouched {name}.txt")
 

@@ -17,7 +17,7 @@ by submitting early. That one decision is shared by every task and family, so GR
 different tasks agree, the verifier's reward teaches it to finish, and what it learns carries over to
 the held-out instances of the same families.
 
-What it is: a random model that learned, from 80 demonstrations, which shell commands each kind of
+What it is: a random model that learned, from 72 demonstrations, which shell commands each kind of
 instruction in mini-swe-agent's prompt calls for, which names of the instruction go where in them, and
 whether to stop. It does not reason; it solves no task outside the four families.
 

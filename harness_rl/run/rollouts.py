@@ -23,8 +23,9 @@ For checkpoints the scheduler's `state()` says where it stands: the next group, 
 yet handed over (kept whole) and the groups still running (run again on resume with the same seeds).
 
 Groups visit the tasks in passes, each pass in its own order (`task_order`, seeded by the run seed and
-the pass), as a sampler shuffles a dataset each epoch: a task folder sorted by kind does not train one
-kind at a time, and a resumed run visits the same tasks.
+the pass), as a sampler shuffles a dataset each epoch, with each task category (task.toml's `[metadata]
+category`) spread evenly through the pass: a task folder sorted by kind does not train one kind at a time,
+every stretch of steps sees the kinds in their shares, and a resumed run visits the same tasks.
 
 Every rollout's proxy session is seeded with `rollout_seed(seed, group, task, index)`, so the proxy
 seeds each of its engine calls (`proxy.sampling.call_seed`): the same run seed samples the same
@@ -105,11 +106,24 @@ class RolloutConfigError(ValueError):
     """A setting that would make every rollout fail (e.g. a loopback proxy URL for a cloud sandbox)."""
 
 
-def task_order(seed: int, count: int, epoch: int) -> list[int]:
-    """The order in which pass `epoch` over `count` tasks visits them: a permutation seeded by (seed, epoch)."""
-    order = list(range(count))
-    random.Random(f"{seed}/{epoch}").shuffle(order)
-    return order
+def task_order(seed: int, categories: Sequence[str | None], epoch: int) -> list[int]:
+    """The order in which pass `epoch` visits the tasks whose categories are `categories`: a permutation seeded
+    by (seed, epoch) that spreads each category evenly through the pass.
+
+    A category's n tasks are shuffled and the i-th lands at a random point of the i-th n-th of the pass, so any
+    stretch of consecutive groups holds each category in its share, give or take one task: the reward of the
+    first steps and of the last is measured on the same mix of kinds, not on whichever kinds the draw put there.
+    Tasks without a category are one category; a task set with none is simply shuffled.
+    """
+    rng = random.Random(f"{seed}/{epoch}")
+    members: dict[str | None, list[int]] = {}
+    for index, category in enumerate(categories):
+        members.setdefault(category, []).append(index)
+    placed: list[tuple[float, int]] = []
+    for indices in members.values():
+        rng.shuffle(indices)
+        placed += [((slot + rng.random()) / len(indices), index) for slot, index in enumerate(indices)]
+    return [index for _, index in sorted(placed)]
 
 
 def rollout_seed(seed: int, group_id: int, task: str, index: int) -> int:
@@ -239,7 +253,8 @@ class RolloutScheduler:
 
     def _start(self, group_id: int) -> None:
         count = len(self.tasks)
-        task = self.tasks[task_order(self.seed, count, group_id // count)[group_id % count]]
+        order = task_order(self.seed, [task.category for task in self.tasks], group_id // count)
+        task = self.tasks[order[group_id % count]]
         group = asyncio.create_task(self.run_group(task, group_id), name=f"group-{group_id}")
         group.add_done_callback(self._group_done)
         self._groups[group_id] = group

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
 # The reference solution, run in the task's workdir: one command per line, one agent tool call each.
+cat words.txt
 mkdir memo
 cp words.txt memo/

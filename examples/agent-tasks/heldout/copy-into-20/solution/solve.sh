@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
 # The reference solution, run in the task's workdir: one command per line, one agent tool call each.
-mkdir values
-cp labels.txt values/
+cat values.txt
+mkdir report
+cp values.txt report/
