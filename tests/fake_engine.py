@@ -77,6 +77,8 @@ class FakeEngine:
     token_delay_s: float = 0.0  # streamed generate: the pause before each step
     stream_drops_calls: bool = False  # streaming derender: never reads the tool calls (DeepSeek-V3's parser, fed
     # several ids at once)
+    stream_drops_text: bool = False  # streaming derender: never reads the content of an answer with tool calls
+    # (DeepSeek-V3's parser, fed the text and the start of a call in one read)
     stream_leak: str | None = None  # streaming derender: text its parsers let out that the whole reading has not
     usage_offset: int = 0  # streamed generate: added to the completion tokens its usage chunk reports
     break_after: int | None = None  # streamed generate: drop the connection after this many chunks
@@ -158,6 +160,7 @@ class FakeEngine:
             name, args = scripted.tool
             message["tool_calls"] = [{"id": f"chatcmpl-tool-{len(prompt):x}", "type": "function",
                                       "function": {"name": name, "arguments": json.dumps(args)}}]
+            message["content"] = scripted.content  # the text before the call, if any
         else:
             message["content"] = scripted.content if scripted and scripted.content is not None \
                 else f"answer after {len(prompt)} tokens"
@@ -360,7 +363,8 @@ class FakeEngine:
         message = self._streamed[tuple(body["prompt_token_ids"])]["message"]
         before = (body.get("stream_state") or {}).get("count", 0)
         (r0, c0), (r1, c1) = self._text(message, before), self._text(message, before + len(ids))
-        delta = {"role": None, "content": c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
+        dropped = self.stream_drops_text and message.get("tool_calls")
+        delta = {"role": None, "content": None if dropped else c1[len(c0):] or None, "reasoning": r1[len(r0):] or None}
         if self.stream_leak and delta["content"]:
             delta["content"] += self.stream_leak
         if choice.get("finish_reason") and message.get("tool_calls") and not self.stream_drops_calls:

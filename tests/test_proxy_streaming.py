@@ -229,21 +229,27 @@ def test_a_streamed_tool_call_sent_back_as_received_splices(fake_proxy: RunningP
     assert second.prompt_token_ids[:len(first.sequence)] == first.sequence
 
 
-def test_a_tool_call_the_streaming_reads_lost_reaches_the_agent_from_the_whole_reading(
-        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
-    """As vLLM's DeepSeek-V3 parser does when a read brings several ids: the streamed reads miss the call."""
+@pytest.mark.parametrize("lost", ["stream_drops_calls", "stream_drops_text"])
+def test_what_the_streaming_reads_lost_reaches_the_agent_from_the_whole_reading(
+        lost: str, fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """As vLLM's DeepSeek-V3 parser does when a read brings several ids: the streamed reads miss the call, or the
+    text before it."""
     agent = Agent(fake_proxy)
     fake_engine.token_delay_s = 0.002
-    fake_engine.stream_drops_calls = True
-    fake_engine.script.append(Scripted(tool=("bash", {"cmd": "ls"}), reasoning="Let me look at the files here."))
+    setattr(fake_engine, lost, True)
+    fake_engine.script.append(Scripted(tool=("bash", {"cmd": "ls"}), content="Listing the files now.",
+                                       reasoning="Let me look at the files here."))
     blocks, _ = stream(f"{agent.base}/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "l"}],
                                                           "tools": TOOLS, "stream": True}, agent.auth)
-    pieces = [c for _, b in blocks if b.get("choices") for c in b["choices"][0]["delta"].get("tool_calls") or ()]
+    deltas = [b["choices"][0]["delta"] for _, b in blocks if b.get("choices")]
+    pieces = [c for delta in deltas for c in delta.get("tool_calls") or ()]
     assert {c["index"] for c in pieces} == {0}
     assert "".join(c["function"].get("name") or "" for c in pieces) == "bash"
     assert "".join(c["function"].get("arguments") or "" for c in pieces) == '{"cmd": "ls"}'
+    assert "".join(delta.get("content") or "" for delta in deltas) == "Listing the files now."
     (turn,) = agent.trace().turns
     assert turn.reply.tool_calls[0].name == "bash" and turn.finish_reason == "tool_calls" and turn.delivered
+    assert turn.reply.content == "Listing the files now."
 
 
 @pytest.mark.parametrize("dialect", list(TEXT_OF))

