@@ -190,18 +190,20 @@ def test_each_pass_over_the_tasks_visits_every_task_once_in_an_order_seeded_by_r
 
 
 def test_each_pass_spreads_every_category_evenly_so_any_stretch_of_steps_holds_each_kind_in_its_share() -> None:
-    """Four kinds of six tasks, sorted by kind as a folder lists them: in every prefix of every pass (400 seeded
-    passes) each kind's count is within one task of its share; a plain shuffle strays by up to 3.75."""
+    """Four kinds of six tasks, sorted by kind as a folder lists them: every pass (400 seeded ones) is six rounds
+    of one task of each kind, and a plain shuffle's prefixes stray from the kinds' shares by up to 3.75 tasks."""
     categories = [kind for kind in "abcd" for _ in range(6)]
-    worst = 0.0
-    for seed, epoch in itertools.product(range(200), range(2)):
-        order = task_order(seed, categories, epoch)
+    orders = [task_order(seed, categories, epoch) for seed, epoch in itertools.product(range(200), range(2))]
+    for order in orders:
         assert sorted(order) == list(range(24))
-        for end, kind in itertools.product(range(1, 25), "abcd"):
-            worst = max(worst, abs(sum(categories[i] == kind for i in order[:end]) - end / 4))
-    assert worst <= 1
-    mixed = task_order(0, ["x"] * 5 + ["y"] * 2 + [None] * 3, 0)  # unequal kinds, and tasks with none
-    assert sorted(mixed) == list(range(10)) and mixed == task_order(0, ["x"] * 5 + ["y"] * 2 + [None] * 3, 0)
+        assert all(sorted(categories[i] for i in order[start:start + 4]) == list("abcd") for start in range(0, 24, 4))
+    assert len({tuple(order) for order in orders}) == len(orders)
+    mixed = ["x"] * 5 + ["y"] * 2 + [None] * 3  # unequal kinds, and tasks with none: each within one of its share
+    order = task_order(0, mixed, 0)
+    assert sorted(order) == list(range(10)) and order == task_order(0, mixed, 0)
+    for end, kind in itertools.product(range(1, 11), ("x", "y", None)):
+        share = mixed.count(kind) * end / 10
+        assert abs(sum(mixed[i] == kind for i in order[:end]) - share) < 1
 
 
 @pytest.mark.parametrize("lockstep", [False, True])

@@ -33,7 +33,7 @@ def test_a_short_train_agent_runs_to_the_end_with_chained_scorable_rollouts(tmp_
     run("eval", "--model", "tiny-agent", *SPLITS, "--num-samples", "1", "--output-dir", str(out / "eval-before"))
     printed = run("train", "--harness", "mini-swe-agent", "--model", "tiny-agent", "--tasks",
                   str(ROOT / "examples" / "agent-tasks" / "train"), "--max-steps", "3", "--num-generations", "2",
-                  "--report-to", "none", "--output-dir", str(out))
+                  "--groups-per-step", "2", "--report-to", "none", "--output-dir", str(out))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and (out / "training.png").is_file()
     assert summary["chained_turns_share"] is not None and summary["chained_turns_share"] >= 0.95, summary

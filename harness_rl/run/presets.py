@@ -34,13 +34,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollouts": {"harness": "echo", "tasks": str(DEMO_TASK), "max_tokens_per_turn": 16, "lockstep": True},
         "learner": {"learning_rate": 1e-2, "max_steps": 40},
     },
-    # Measured on a loaded 2-core box (README, "The agent demo"): every rollout starts mini-swe-agent (about
-    # 5 CPU-seconds, most of it importing litellm), so a step is 2 tasks x 4 rollouts and the run is short.
+    # Measured on a loaded 2-core box (docs/demo.md, "The agent demo"): every rollout starts mini-swe-agent (about
+    # 5 CPU-seconds, most of it importing litellm), so the run is short: 8 steps of 4 tasks x 4 rollouts. The
+    # tasks are four families of equal size, so each step holds about one task of each (`task_order`; groups are
+    # handed over as they finish), and the reward of the first steps and of the last compares the same kinds.
     "agent": {
         "engine": {"model": "tiny-agent"},
         "rollouts": {"harness": "mini-swe-agent", "tasks": str(AGENT_TASKS / "train"), "max_tokens_per_turn": 64,
                      "num_generations": 4, "max_concurrent_rollouts": 4, "harness_options": AGENT_HARNESS_OPTIONS},
-        "learner": {"learning_rate": 1e-3, "max_steps": 12, "groups_per_step": 2,
+        "learner": {"learning_rate": 1e-3, "max_steps": 8, "groups_per_step": 4,
                     "loss": {"normalization": "rollout"}},
     },
 }

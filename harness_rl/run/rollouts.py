@@ -108,11 +108,12 @@ class RolloutConfigError(ValueError):
 
 def task_order(seed: int, categories: Sequence[str | None], epoch: int) -> list[int]:
     """The order in which pass `epoch` visits the tasks whose categories are `categories`: a permutation seeded
-    by (seed, epoch) that spreads each category evenly through the pass.
+    by (seed, epoch) that spaces each category's tasks evenly through the pass.
 
-    A category's n tasks are shuffled and the i-th lands at a random point of the i-th n-th of the pass, so any
-    stretch of consecutive groups holds each category in its share, give or take one task: the reward of the
-    first steps and of the last is measured on the same mix of kinds, not on whichever kinds the draw put there.
+    A category of n tasks is shuffled and laid at the points (i + phase) / n of the pass, its phase drawn once
+    per pass, so any stretch of consecutive groups holds each category in its share, give or take one task;
+    with categories of equal size the pass is rounds holding one task of each. The reward of the first steps
+    and of the last is then measured on the same mix of kinds, not on whichever kinds the draw put there.
     Tasks without a category are one category; a task set with none is simply shuffled.
     """
     rng = random.Random(f"{seed}/{epoch}")
@@ -122,7 +123,8 @@ def task_order(seed: int, categories: Sequence[str | None], epoch: int) -> list[
     placed: list[tuple[float, int]] = []
     for indices in members.values():
         rng.shuffle(indices)
-        placed += [((slot + rng.random()) / len(indices), index) for slot, index in enumerate(indices)]
+        phase = rng.random()
+        placed += [((slot + phase) / len(indices), index) for slot, index in enumerate(indices)]
     return [index for _, index in sorted(placed)]
 
 
