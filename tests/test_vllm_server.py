@@ -103,6 +103,19 @@ def test_parsers_follow_the_model_family(tmp_path: Path, model_type: str, templa
     assert found.get("--reasoning-parser") == reasoning
 
 
+@pytest.mark.parametrize(("files", "mode"), [
+    (["tekken.json"], "mistral"), (["tokenizer.model.v7"], "mistral"), (["tekken.json", "tokenizer.json"], None),
+    (["tokenizer.json"], None)])
+def test_mistrals_own_tokenizer_is_served_in_its_mode(tmp_path: Path, files: list[str], mode: str | None) -> None:
+    """A model directory with only mistral-common's tokenizer file: vLLM's auto mode would look for tokenizer.json."""
+    directory = model_dir(tmp_path, model_type="mistral")
+    for name in files:
+        (directory / name).write_text("{}")
+    found = flags(vllm_launch(directory, python="py", cuda=False))
+    assert found.get("--tokenizer-mode") == mode
+    assert found["--tool-call-parser"] == "mistral"
+
+
 def test_an_unknown_family_asks_for_a_parser_and_extra_args_replace_ours(tmp_path: Path) -> None:
     with pytest.raises(VllmSetupError, match="no tool-call parser known for model_type 'weird': pass one after --"):
         vllm_launch(model_dir(tmp_path, model_type="weird"), python="py", cuda=False)

@@ -123,7 +123,7 @@ class CapturePipeline:
 
     async def read(self, prepared: Prepared, sample: Generated) -> Reply:
         """The reply in the sampled ids, read by the engine's own parsers."""
-        message = await self.engine.derender(sample, prepared.parsing, prepared.prompt.ids.count)
+        message = await self.engine.derender(sample, prepared.parsing, prepared.prompt.ids)
         return Reply(content=message.content, reasoning=message.reasoning_text,
                      tool_calls=[ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                                  for c in message.tool_calls or ()])

@@ -19,7 +19,7 @@ import msgspec
 
 from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
-from proxy.tokens import ids_text
+from proxy.tokens import ids_text, offset_after
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage, ids_below
 from proxy.upstream.wire import (
     DERENDER_DECODER,
@@ -38,6 +38,9 @@ from proxy.upstream.wire import (
 
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
+# vLLM seeds a reply's detokenizer with the prompt's last 7 ids (its detokenizer_utils'
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2); a few more cost nothing
+DETOKENIZER_SEED_IDS = 16
 # A one-message conversation. Two replies to it the template renders alike but for their text: what follows
 # the text in both is how the template closes an assistant turn (the end-of-turn token, then a separator).
 PROBE = msgspec.Raw(b'{"role":"user","content":"hi"}')
@@ -186,14 +189,18 @@ class EngineClient:
         return Generated(ids, logps, choice.finish_reason or "stop", choice.stop_reason, choice.weight_versions or [],
                          int(version) if version and version.isdigit() else None, attempts)
 
-    async def derender(self, sample: Generated, chat_request: bytes, prompt_tokens: int) -> AssistantMessage:
+    async def derender(self, sample: Generated, chat_request: bytes, prompt: Rendered) -> AssistantMessage:
         """The chat message the engine's parsers read from a sample's ids (a trailing stop token left out,
-        as the chat route leaves it out of the text)."""
+        as the chat route leaves it out of the text). The prompt's last ids seed the engine's detokenizer as the
+        chat route's are seeded: without them a SentencePiece reply loses its first space (Mistral's v7 tokenizer:
+        " Bye." read as "Bye.")."""
         ids = sample.ids[:-1] if sample.ends_with_stop_token else sample.ids
         if not ids:
             return AssistantMessage(content="")
+        tail = prompt.text[offset_after(prompt.text, max(prompt.count - DETOKENIZER_SEED_IDS, 0)):]
         request = DerenderRequest(generate_response=GenerateResponse([DerenderChoice(ids, sample.finish_reason)]),
-                                  chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt_tokens,
+                                  chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt.count,
+                                  prompt_token_ids=msgspec.Raw(b"[" + tail[:-1] + b"]"),
                                   model=await self.served_model())
         data, _, _ = await self.post("/v1/chat/completions/derender", _ENCODER.encode(request))
         try:

@@ -110,6 +110,7 @@ class DerenderRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     generate_response: GenerateResponse
     chat_request: msgspec.Raw  # the chat body the parsers need (its messages and tools, already encoded)
     prompt_tokens: int = 0
+    prompt_token_ids: msgspec.Raw | None = None  # the prompt's last ids: the engine seeds its detokenizer with them
     model: str | None = None
 
 
