@@ -93,6 +93,7 @@ class FakeEngine:
     routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
     render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
     user_last: bool = False  # refuse (400) to render a conversation ending with the assistant, as mistral-common
+    always_opens: bool = False  # render the next turn's opening whatever add_generation_prompt says, as harmony
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -277,7 +278,7 @@ class FakeEngine:
                                                            "for serving but got assistant"}}, status=400)
         if agp and self.keep_requests:
             self.conversations.append(body)
-        ids = self.render(body["messages"], body.get("tools"), agp)
+        ids = self.render(body["messages"], body.get("tools"), agp or self.always_opens)
         return web.Response(body=_ENCODER.encode({"token_ids": ids, "sampling_params": {}}),
                             content_type="application/json")
 

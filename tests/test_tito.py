@@ -116,7 +116,23 @@ def test_an_engine_that_renders_no_conversation_ending_with_the_assistant_answer
     turns = agent.trace().validate().turns
     assert [t.prompt_source for t in turns] == ["rendered"] * 3
     assert [t.prefix_break.cause for t in turns[1:] if t.prefix_break is not None] == ["template_dropped"] * 2
-    assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 2  # the refused probe asked once (two renders)
+    assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 3  # the refused probe asked once (three renders)
+
+
+def test_an_engine_whose_render_always_opens_the_next_turn_renders_every_turn_whole(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """vLLM renders gpt-oss's harmony with the assistant's opening whatever add_generation_prompt says: the probe
+    would take that opening for the turn's closing and splice new messages after the wrong token. The proxy sees
+    the flag change nothing and renders each turn whole, every prompt the engine's own, its break named."""
+    fake_engine.always_opens = True
+    agent = Agent(fake_proxy)
+    converse(agent, fake_engine, 3)
+    turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered"] * 3
+    for turn in turns:
+        assert turn.prompt_token_ids == fake_engine.render(turn.request.messages, turn.request.tools)
+    assert [t.prefix_break.cause for t in turns[1:] if t.prefix_break is not None] == ["template_dropped"] * 2
+    assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 3  # the probe asked once
 
 
 def test_tool_call_arguments_reserialised_and_reasoning_dropped_by_the_agent_still_match(
@@ -223,10 +239,11 @@ def test_a_spliced_turn_renders_only_the_reply_and_the_messages_after_it(fake_en
         assert child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
         assert child.prompt_token_ids[len(parent.sequence):] == whole[len(whole) - new:]
         assert whole[len(whole) - new - 1] == IM_END  # right after the reply's closing
-    # every render after the first turn's: the probe, the reply and the one tool result after it, however long
-    # the conversation has grown (the probe's own rendering and the template's closing are learned once)
+    # every render after the first turn's: the closing probe with the next turn opened (2 messages), then the probe,
+    # the reply and the one tool result after it, however long the conversation has grown (the probe's own
+    # rendering and the template's closing are learned once)
     sizes = [len(body["messages"]) for body in fake_engine.conversations]
-    assert sizes[0] == len(TASK) and sizes[1:] == [3] * 5
+    assert sizes[0] == len(TASK) and sizes[1] == 2 and sizes[2:] == [3] * 5
 
 
 def test_a_template_that_renders_a_message_by_its_place_is_caught_and_the_session_renders_whole(

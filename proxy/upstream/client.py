@@ -10,6 +10,7 @@ parsers). A sample is refused unless its ids, logprobs and usage describe one an
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -36,6 +37,7 @@ from proxy.upstream.wire import (
     WeightVersionSpan,
 )
 
+log = logging.getLogger("harness_rl.proxy")
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 MAX_RETRY_AFTER_S = 30.0
 # vLLM seeds a reply's detokenizer with the prompt's last 7 ids (its detokenizer_utils'
@@ -113,7 +115,7 @@ class EngineClient:
         self.model_root: str | None = None
         self.described = False  # whether the engine has said what it serves (its /v1/models card)
         self._closing: tuple[int, bytes] | None = None
-        self._closing_refused = False  # the engine refuses to render the probe that finds `_closing`
+        self._closing_unknowable = False  # the engine cannot show how its template closes a turn
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -217,22 +219,32 @@ class EngineClient:
     async def closing(self) -> tuple[int, bytes] | None:
         """How the engine's template closes an assistant turn: the end-of-turn id, and the token text after it.
 
-        Learned once from two probe renders and kept; None (asked again next time) while the engine
-        cannot say, or when the template closes turns in a way this probe cannot read. An engine that refuses
-        to render a conversation ending with the assistant (vLLM with Mistral's own tokenizer) never can: None
-        from then on, without asking.
+        Learned once from probe renders and kept; None (asked again next time) while the engine
+        cannot say, or when the template closes turns in a way this probe cannot read. Two kinds of engine never
+        can, and get None from then on without asking: one that refuses to render a conversation ending with the
+        assistant (vLLM with Mistral's own tokenizer), and one whose render adds the next turn's opening whether
+        or not it is asked to (vLLM rendering gpt-oss's harmony), whose probe would take that opening for the
+        closing and splice new messages in the wrong place.
         """
-        if self._closing is None and not self._closing_refused:
+        if self._closing is None and not self._closing_unknowable:
+            probes = [(r, prompt) for r in "AB" for prompt in (False, True) if r == "A" or not prompt]
             try:
                 renders = await asyncio.gather(*(self.render(ChatRender(
                     messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
-                    add_generation_prompt=False)) for r in "AB"))
+                    add_generation_prompt=prompt)) for r, prompt in probes))
             except ProxyError as exc:
                 if exc.status >= 500:
                     raise
-                self._closing_refused = True
+                self._closing_unknowable = True
                 return None
-            a, b = (r.text.split(b",")[:-1] for r in renders)
+            closed, opened, other = renders
+            if opened.text == closed.text:
+                log.warning("the engine at %s renders the next turn's opening whatever add_generation_prompt says: "
+                            "each turn's prompt is rendered whole, and a conversation trains as a row per turn",
+                            self.url)
+                self._closing_unknowable = True
+                return None
+            a, b = (r.text.split(b",")[:-1] for r in (closed, other))
             shared = 0
             while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:
                 shared += 1
