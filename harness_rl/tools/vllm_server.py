@@ -10,8 +10,8 @@ Flags always set (an extra argument naming the same flag replaces ours):
   table below, so tool calls and reasoning come back parsed as the agents expect.
 - `--max-model-len`: the model's own context (agent prompts reach 30k tokens; under 65536 warns).
 - `--dtype`: the checkpoint's dtype (vLLM's `auto` would run a float32 model in half precision).
-- `--tokenizer-mode mistral` for a model whose tokenizer is Mistral's own (mistral-common's `tekken.json` or
-  `tokenizer.model.vN`, no `tokenizer.json`): vLLM's `auto` picks it only beside Mistral's consolidated weights.
+- `--tokenizer-mode mistral` for a model with only Mistral's own tokenizer (`tekken.json`, `tokenizer.model.vN`):
+  vLLM's `auto` picks it only beside Mistral's consolidated weights.
 - `--enable-scale-out`: the token-in routes (`/v1/chat/completions/render`, `/inference/v1/generate`,
   `/v1/chat/completions/derender`).
 - `VLLM_SERVER_DEV_MODE=1`: the control routes weight sync uses (`/pause`, `/collective_rpc`, ...).
@@ -168,8 +168,8 @@ def vllm_launch(model_dir: Path, *, python: str, cuda: bool, host: str = "127.0.
     dtype = config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype")
     if dtype in ("float32", "bfloat16", "float16"):
         ours.append(("--dtype", dtype))
-    if mistral_tokenizer(model_dir):
-        ours.append(("--tokenizer-mode", "mistral"))
+    if not (model_dir / "tokenizer.json").is_file() and any(any(model_dir.glob(p)) for p in MISTRAL_TOKENIZER_FILES):
+        ours.append(("--tokenizer-mode", "mistral"))  # Mistral's own tokenizer only
     if _flag_value(extra_args, "--tool-call-parser") is None:
         tool_parser, reasoning_parser = parsers_for(model_dir, config)
         ours.append(("--tool-call-parser", tool_parser))
@@ -240,12 +240,6 @@ def parsers_for(model_dir: Path, config: dict) -> tuple[str, str | None]:
         if vocabulary.is_file() and json.dumps(token) not in vocabulary.read_text():
             tool_parser = instead
     return tool_parser, reasoning_parser
-
-
-def mistral_tokenizer(model_dir: Path) -> bool:
-    """Whether the model's tokenizer is Mistral's own format only (no Hugging Face tokenizer.json beside it)."""
-    return not (model_dir / "tokenizer.json").is_file() and any(
-        any(model_dir.glob(pattern)) for pattern in MISTRAL_TOKENIZER_FILES)
 
 
 def chat_template(model_dir: Path) -> str:
