@@ -16,7 +16,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "build-model", help="build tiny or tiny-agent offline (cached) and print its directory",
         description="tiny: a random 0.8M-parameter Qwen2 and a BPE tokenizer, built in seconds. tiny-agent: tiny "
                     "fine-tuned (harness-rl sft) on teacher traces of mini-swe-agent replaying the reference "
-                    "solutions of examples/agent-tasks/warmup and train, left undecided about finishing (about 18 "
+                    "solutions of examples/agent-tasks/warmup and train, left undecided about finishing (about 25 "
                     "minutes on 2 CPU cores). "
                     "Both are deterministic and cached under $HARNESS_RL_CACHE (default ~/.cache/harness-rl).")
     parser.add_argument("name", choices=BUILT_MODELS)
