@@ -44,7 +44,7 @@ def train(seed: int, max_steps: int, extra: list[str], out: Path) -> None:
 
 def train_agent(seed: int, max_steps: int | None, extra: list[str], out: Path) -> None:
     options = ([f"--max-steps {max_steps}"] if max_steps is not None else []) + extra
-    _run(["make", "--no-print-directory", "train-agent", f"AGENT_RUN={out}", f"AGENT_SEED={seed}",
+    _run(["make", "--no-print-directory", "train-agent", f"AGENT_RUN={out}", f"AGENT_SEED={seed}", "AGENT_SAMPLES=2",
           f"AGENT_TRAIN={' '.join(options)}"], seed)
 
 
