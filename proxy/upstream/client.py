@@ -227,7 +227,7 @@ class EngineClient:
         closing and splice new messages in the wrong place.
         """
         if self._closing is None and not self._closing_unknowable:
-            probes = [(r, prompt) for r in "AB" for prompt in (False, True) if r == "A" or not prompt]
+            probes = [("A", False), ("A", True), ("B", False)]  # (the reply, add_generation_prompt)
             try:
                 renders = await asyncio.gather(*(self.render(ChatRender(
                     messages=[PROBE, msgspec.Raw(_ENCODER.encode({"role": "assistant", "content": r}))],
