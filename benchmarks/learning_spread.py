@@ -42,9 +42,10 @@ def train(seed: int, max_steps: int, extra: list[str], out: Path) -> None:
     _run(command, seed)
 
 
-def train_agent(seed: int, max_steps: int | None, extra: list[str], out: Path) -> None:
+def train_agent(seed: int, max_steps: int | None, samples: int | None, extra: list[str], out: Path) -> None:
     options = ([f"--max-steps {max_steps}"] if max_steps is not None else []) + extra
-    _run(["make", "--no-print-directory", "train-agent", f"AGENT_RUN={out}", f"AGENT_SEED={seed}", "AGENT_SAMPLES=2",
+    evaluation = [f"AGENT_SAMPLES={samples}"] if samples is not None else []
+    _run(["make", "--no-print-directory", "train-agent", f"AGENT_RUN={out}", f"AGENT_SEED={seed}", *evaluation,
           f"AGENT_TRAIN={' '.join(options)}"], seed)
 
 
@@ -66,7 +67,7 @@ def measure(seed: int, args: argparse.Namespace, extra: list[str], work: Path) -
     out = work / f"seed-{seed}"
     started = time.perf_counter()
     if args.agent:
-        train_agent(seed, args.max_steps, extra, out)
+        train_agent(seed, args.max_steps, args.samples, extra, out)
     else:
         train(seed, args.max_steps or 40, extra, out)
     summary = json.loads((out / "summary.json").read_text())
@@ -100,16 +101,19 @@ def families(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (default: 10)")
+    parser.add_argument("--first-seed", type=int, default=0, help="start at this seed instead of 0")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="steps per run (default: the demo's: 40 for make train, the agent preset's for --agent)")
     parser.add_argument("--agent", action="store_true", help="the whole make train-agent per seed")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="with --agent: samples per task in each evaluation (default: make train-agent's)")
     parser.add_argument("--keep", type=Path, default=None, help="keep each seed's run under this directory")
     argv = sys.argv[1:]
     ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parse_args(parser, {"seeds": 1, "max_steps": 2}, ours)
     rows = []
     with tempfile.TemporaryDirectory(prefix="learning-spread-") as work:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.seeds):
             rows.append(measure(seed, args, extra, args.keep or Path(work)))
             print(describe(rows[-1]), flush=True)
     rises = [r["last"] - r["first"] for r in rows]

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from adapters.tasks import load_task
 from harness_rl.cli import main
 from harness_rl.demo.teacher import Demo, TeacherError, script_for, teacher_traces
+from harness_rl.demo.tiny_agent import SHIPPED
 from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_INSTANCE_TEMPLATE
 from harness_rl.trace import TrainingTrace
 
@@ -71,6 +72,10 @@ def test_teacher_traces_replay_the_solutions_the_same_way_twice_and_train(tiny_m
     again = teacher_traces(demos[:1], tiny_model_dir, tmp_path / "again", harness_options=AGENT_HARNESS_OPTIONS)
     replay = TrainingTrace.load(tmp_path / "again" / str(again[0].trace))
     assert [t.sequence for t in replay.turns] == [t.sequence for t in traces[0].turns]
+    for record in records:  # the shipped tiny-agent learned from exactly these tokens
+        shipped = TrainingTrace.load(SHIPPED / "teacher" / str(record.trace))
+        made = TrainingTrace.load(tmp_path / "teacher" / str(record.trace))
+        assert [(t.sequence, t.loss_mask) for t in shipped.turns] == [(t.sequence, t.loss_mask) for t in made.turns]
 
     model = tmp_path / "sft"  # the early stop scores 0: --min-reward 1 (the default) leaves it out
     assert main(["sft", "--traces", str(tmp_path / "teacher" / "traces"), "--model", str(tiny_model_dir),

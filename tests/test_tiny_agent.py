@@ -1,7 +1,9 @@
-"""The tiny-agent's cache key: it changes with everything the build depends on, and nothing machine-specific."""
+"""The tiny-agent's cache key: it changes with everything the build depends on, and nothing machine-specific;
+and the repository ships the build of the current recipe, so no clone (and no CI run) spends 25 minutes on it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,9 +14,12 @@ from harness_rl.demo.tiny_agent import (
     COMPLETE,
     EARLY_STOP_STEPS,
     HABIT,
+    SHIPPED,
+    TINY_AGENT_SEED,
     TRAIN_TASKS,
     WARMUP_TASKS,
     TinyAgentError,
+    build_tiny_agent,
     default_cache_dir,
     recipe,
     tasks_digest,
@@ -65,3 +70,20 @@ def test_the_agent_preset_runs_tiny_agent_with_the_teachers_harness_options() ->
     assert config.preset == "agent" and config.rollouts.harness == "mini-swe-agent"
     assert config.rollouts.harness_options == recipe(0).harness_options
     assert config.rollouts.max_tokens_per_turn is not None and config.rollouts.max_tokens_per_turn >= 64
+
+
+def test_the_repository_ships_the_build_of_the_current_recipe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from harness_rl.engine.tiny_model import is_cached
+
+    expected = json.loads(msgspec.json.encode(recipe(TINY_AGENT_SEED)))
+    assert is_cached(SHIPPED, expected), (
+        f"{SHIPPED} is the build of another recipe than the current one ({recipe(TINY_AGENT_SEED).key}): rebuild it "
+        "(`harness-rl build-model tiny-agent --rebuild`, about 25 min) and copy the directory it prints over it")
+    monkeypatch.setenv("HARNESS_RL_CACHE", str(tmp_path))  # found without building, without touching the cache
+    assert build_tiny_agent(TINY_AGENT_SEED) == SHIPPED and list(tmp_path.iterdir()) == []
+    traces = sorted(p.name for p in (SHIPPED / "teacher" / "traces").glob("*.json"))
+    shown = sorted(p.name for root in (WARMUP_TASKS, TRAIN_TASKS) for p in root.iterdir() if p.is_dir())
+    assert traces == sorted([f"harness-rl__{name}.json" for name in shown] +
+                            [f"harness-rl__{name}__first-{EARLY_STOP_STEPS}.json" for name in shown])
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "sft.json"):
+        assert (SHIPPED / name).is_file(), name

@@ -3,7 +3,8 @@
 `demo.tiny_agent`).
 
 The faces resolve `--model` here before a run starts (`model_dir`), so the run level only ever sees
-a directory or a hub id. Both are cached after their first build. `tiny` is a random start, built from
+a directory or a hub id. `tiny` is cached after its first build; `tiny-agent` is shipped in the repository
+(built here only when its recipe changed). `tiny` is a random start, built from
 the run's seed; `tiny-agent` is a trained start, like the pretrained model a user brings: one build
 (seed 0) whatever the run's seed, so `--seed` varies a run's learning and sampling, not where it starts.
 """

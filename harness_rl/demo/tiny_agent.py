@@ -23,11 +23,15 @@ instruction in mini-swe-agent's prompt calls for, which names of the instruction
 whether to stop. It does not reason; it solves no task outside the four families.
 
 The build is deterministic (the teacher's prompts are the demo's own template, the same on every machine;
-training runs on the CPU with one thread and a fixed seed) and cached like `tiny`, under
-`$HARNESS_RL_CACHE/tiny-agent-<seed>-<key>`, where the key hashes everything it depends on
+training runs on the CPU with one thread and a fixed seed) and keyed by a hash of everything it depends on
 (`Recipe`): this recipe's version, the seed, the tiny model's recipe, the task folders with their
 solutions, the harness and its installed version, the harness options, the demonstrations and both
-SFT phases' settings.
+SFT phases' settings. The repository ships the build of the current recipe (`SHIPPED`: 5 MB of weights,
+its teacher traces beside them), because building it takes about 25 minutes on 2 cores and every clone
+would pay that before its first `make train-agent`, CI before `test_train_agent`. A recipe that no longer
+matches the shipped build (a task edited, the harness upgraded) is built on first use and cached under
+`$HARNESS_RL_CACHE/tiny-agent-<seed>-<key>`; `tests/test_tiny_agent.py` fails until the shipped copy is
+rebuilt (`harness-rl build-model tiny-agent --rebuild`, then copied over it).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import msgspec
 
 from harness_rl.learner.config import SftConfig
-from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_TASKS
+from harness_rl.run.presets import AGENT_HARNESS_OPTIONS, AGENT_TASKS, EXAMPLES
 
 RECIPE_VERSION = "4"
 TINY_AGENT_SEED = 0  # the one build runs start from, whatever their seed (`demo.models`)
@@ -53,6 +57,7 @@ TRAIN_TASKS = AGENT_TASKS / "train"  # the same
 EARLY_STOP_STEPS = 1  # the imperfect demonstrations submit after this many solution lines
 COMPLETE = SftConfig(epochs=150, learning_rate=3e-3, token_budget=2048, min_reward=1.0)
 HABIT = SftConfig(epochs=10, learning_rate=1e-3, token_budget=2048, min_reward=0.0)
+SHIPPED = EXAMPLES / "models" / "tiny-agent"  # the build of the current recipe, in the repository
 
 
 class TinyAgentError(RuntimeError):
@@ -121,8 +126,9 @@ def default_cache_dir(built: Recipe) -> Path:
 
 
 def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: Path | None = None,
-                     log: Any = None) -> Path:
-    """The tiny-agent model directory for `seed`: reused when its recipe's build is cached, else built (minutes).
+                     log: Any = None, rebuild: bool = False) -> Path:
+    """The tiny-agent model directory for `seed`: the shipped build when it is this recipe's, else the cached
+    one, else built (about 25 minutes). `rebuild` ignores both and builds into the cache afresh.
 
     Built in a staging directory renamed into place once complete, as `tiny` is, so concurrent builders
     never see a half-written model. The directory also keeps `teacher/` (traces and their rewards) and
@@ -136,13 +142,18 @@ def build_tiny_agent(seed: int = 0, harness: str = "mini-swe-agent", cache_dir: 
     from harness_rl.learner.sft import sft
 
     built = recipe(seed, harness)
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(built)
     expected = json.loads(msgspec.json.encode(built))
-    if is_cached(cache_dir, expected):
+    if cache_dir is None and not rebuild and is_cached(SHIPPED, expected):
+        return SHIPPED
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(built)
+    if rebuild:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    elif is_cached(cache_dir, expected):
         return cache_dir
     say = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    why = "" if rebuild or seed != TINY_AGENT_SEED else f"; {SHIPPED} is the build of another recipe"
     say(f"tiny-agent: building {cache_dir} (teacher traces of {harness} on {WARMUP_TASKS.name}/ and "
-        f"{TRAIN_TASKS.name}/, then sft)")
+        f"{TRAIN_TASKS.name}/, then sft: about 25 minutes{why})")
     staging = cache_dir.with_name(cache_dir.name + f".building-{random.getrandbits(32):08x}")
     work = staging.with_name(staging.name + "-work")
     try:
