@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import msgspec
 from conventions import load_average, parse_args
-from processes import start_ours, stop, stopping_all, tiny_model_with_loaded_tokenizer
+from processes import start_ours, stop, stopping_all, tiny_model
 from proxy_bench import TOOLS
 from served_vllm import add_arguments, served
 
@@ -169,11 +169,11 @@ def tiny_launch(model_dir: Path) -> VllmLaunch:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=200)
-    add_arguments(parser, "the tiny model as `tiny` (with the loaded tokenizer); with --vllm-pid")
+    add_arguments(parser, "the tiny model as `tiny`; with --vllm-pid")
     args = parse_args(parser, {"turns": MARKS[0]})
     if args.vllm_url and args.vllm_pid is None:
         parser.error("--vllm-url needs --vllm-pid: the API server's CPU time is measured")
-    model_dir = args.model_dir or tiny_model_with_loaded_tokenizer()
+    model_dir = args.model_dir or tiny_model()
     check_tokens = ProxyConfig().splice_check_tokens or 0
     marks = [m for m in MARKS if m <= args.turns]
     with tempfile.TemporaryDirectory() as tmp, stopping_all(), contextlib.ExitStack() as started:

@@ -111,12 +111,10 @@ def start_engine(model_dir: Path, served_root: str | None = None) -> tuple[subpr
     return process, process.stdout.readline().decode().strip()
 
 
-def tiny_model_with_loaded_tokenizer() -> Path:
+def tiny_model() -> Path:
     from harness_rl.engine import build_tiny_model, default_cache_dir
-    from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
 
-    model = build_tiny_model(default_cache_dir(0))
-    return with_loaded_tokenizer(model, model.with_name(model.name + "-loaded-tokenizer"))
+    return build_tiny_model(default_cache_dir(0))
 
 
 def start_openenv(engine: str, work: Path) -> Target:

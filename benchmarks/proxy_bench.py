@@ -55,7 +55,7 @@ from processes import (
     start_ours,
     stop,
     stopping_all,
-    tiny_model_with_loaded_tokenizer,
+    tiny_model,
 )
 
 
@@ -286,7 +286,7 @@ def main() -> None:
     body = agent_body(0)
     print(f"request: {len(json.loads(body)['messages'])} messages, {len(body) / 1024:.1f} KB, {len(TOOLS)} tools")
 
-    engine_process, engine = start_engine(tiny_model_with_loaded_tokenizer())
+    engine_process, engine = start_engine(tiny_model())
     with tempfile.TemporaryDirectory() as tmp, stopping_all():
         work = Path(tmp)
         starters = {"direct to engine": None, "OpenEnv capture proxy": start_openenv, "harness-rl proxy": start_ours}
@@ -355,7 +355,7 @@ HUB_ID = "org/tiny"
 
 def hub_id(work: Path, args: argparse.Namespace, starters: dict[str, Callable[[str, Path], Target] | None]) -> dict:
     """The engine serving a hub id; the tokenizer and template where `hf download` leaves them."""
-    model_dir = tiny_model_with_loaded_tokenizer()
+    model_dir = tiny_model()
     cache = work / "hf-hub"
     snapshot = cache / ("models--" + HUB_ID.replace("/", "--")) / "snapshots" / "0"
     snapshot.mkdir(parents=True)

@@ -18,7 +18,6 @@ import pytest
 from fake_engine import FakeEngine, run_fake_engine
 from proxy_agent import TOOLS, Agent
 
-from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
 from harness_rl.run.stack import serve_proxy
 from harness_rl.trace import TrainingTrace
 from proxy.capture.local_render import LocalRendering, LocalTemplate, _message
@@ -42,8 +41,9 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def loaded_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return with_loaded_tokenizer(tiny_model_dir, tmp_path_factory.mktemp("loaded") / "tiny-0")
+def loaded_dir(tiny_model_dir: Path) -> Path:
+    """The tiny model, whose tokenizer.json is what transformers (the engine) loads."""
+    return tiny_model_dir
 
 
 def request(messages: list[dict[str, Any]], tools: list[Any] | None, generation: bool = True) -> ChatRender:
@@ -73,10 +73,18 @@ def test_the_proxy_renders_every_conversation_as_the_engine_does(loaded_dir: Pat
         assert ours is not None and ours == engines
 
 
-def test_a_tokenizer_file_that_is_not_what_the_engine_loads_is_never_used(tiny_model_dir: Path,
+def test_a_tokenizer_file_that_is_not_what_the_engine_loads_is_never_used(tiny_model_dir: Path, tmp_path: Path,
                                                                           engine_url: str) -> None:
-    # the tiny model's own tokenizer.json lacks the normalizer and pre-tokenizer transformers gives Qwen2's class
-    local, renders = asyncio.run(both(tiny_model_dir, engine_url, [request(CONVERSATIONS[3], TOOLS)]))
+    # as `tokenizers` trains it, without the normalizer and pre-tokenizer transformers gives Qwen2's class: it cuts
+    # "\n\n" into two ids where the engine has one
+    for item in tiny_model_dir.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    trained = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    trained |= {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                                      "trim_offsets": True, "use_regex": True}}
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.json").write_text(json.dumps(trained))
+    local, renders = asyncio.run(both(tmp_path, engine_url, [request(CONVERSATIONS[3], TOOLS)]))
     assert local.off is not None and "probe conversation differs" in local.off
     assert renders == [(None, renders[0][1])]
 

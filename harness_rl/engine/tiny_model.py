@@ -2,6 +2,9 @@
 
 The tokenizer is a byte-level BPE trained in about a second on the interpreter's own standard
 library sources plus agent-style chat text generated from the seed, so nothing is downloaded.
+Its `tokenizer.json` is saved as transformers loads it: transformers 5 builds a Qwen2 tokenizer's normalizer
+and pre-tokenizer from its class, not from the trained file, so a reader of the file alone (the proxy's
+local rendering) would otherwise cut some texts ("a\n\nb") into other ids than the engine does.
 The model is a random-init Qwen2 small enough for CPU tests yet with a 64k context, and with an
 end-of-turn habit: a constant feature in every embedding drives a fixed `<|im_end|>` logit, so a
 sampled reply stops after a few dozen tokens instead of running to `max_tokens`.
@@ -16,7 +19,7 @@ from typing import Any
 
 from harness_rl.engine.chat_template import CHAT_TEMPLATE
 
-RECIPE_VERSION = "1"  # bump whenever the build changes, so stale cached builds are rebuilt
+RECIPE_VERSION = "2"  # bump whenever the build changes, so stale cached builds are rebuilt
 VOCAB_SIZE = 4096
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -50,6 +53,8 @@ def build_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
     The build happens in a staging directory renamed into place once complete, so concurrent
     builders (parallel test runs sharing `~/.cache`) never see or delete a half-written model.
     """
+    from transformers import AutoTokenizer
+
     cache_dir = Path(cache_dir)
     expected = {"recipe": RECIPE_VERSION, "seed": seed}
     if is_cached(cache_dir, expected):
@@ -60,6 +65,7 @@ def build_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
         tokenizer = _build_tokenizer(seed)
         tokenizer.save_pretrained(staging)
         _build_model(tokenizer, seed).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(staging).save_pretrained(staging)  # as read beside a Qwen2 config.json
         publish(staging, cache_dir, expected)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
