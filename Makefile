@@ -50,7 +50,7 @@ train: $(STAMP)
 # real mini-swe-agent, evaluated again beside the first evaluation. HARNESS=opencode is not supported: see README.
 AGENT_RUN_NOW := runs/train-agent-$(shell date -u +%Y%m%d-%H%M%S)
 AGENT_RUN ?= $(AGENT_RUN_NOW)
-# one sample per task and evaluation; 2 halves the evaluations' noise and adds about 5 min (learning_spread.py uses 2)
+# one sample per task and evaluation; 2 halves the evaluations' noise and adds about 5 min
 AGENT_SAMPLES ?= 1
 AGENT_SEED ?= 0
 AGENT_EVAL = --tasks examples/agent-tasks/train --tasks examples/agent-tasks/heldout --num-samples $(AGENT_SAMPLES) \

