@@ -40,12 +40,6 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def loaded_dir(tiny_model_dir: Path) -> Path:
-    """The tiny model, whose tokenizer.json is what transformers (the engine) loads."""
-    return tiny_model_dir
-
-
 def request(messages: list[dict[str, Any]], tools: list[Any] | None, generation: bool = True) -> ChatRender:
     return ChatRender(messages=[msgspec.Raw(msgspec.json.encode(m)) for m in messages],
                       add_generation_prompt=generation,
@@ -64,10 +58,10 @@ async def both(model_dir: Path, url: str, requests: list[ChatRender]) -> tuple[L
         await engine.close()
 
 
-def test_the_proxy_renders_every_conversation_as_the_engine_does(loaded_dir: Path, engine_url: str) -> None:
+def test_the_proxy_renders_every_conversation_as_the_engine_does(tiny_model_dir: Path, engine_url: str) -> None:
     requests = [request(c, tools, generation) for c in CONVERSATIONS for tools in (None, TOOLS)
                 for generation in (True, False)]
-    local, renders = asyncio.run(both(loaded_dir, engine_url, requests))
+    local, renders = asyncio.run(both(tiny_model_dir, engine_url, requests))
     assert local.off is None and local.format == "string"  # the embedded engine hands contents over as sent
     for ours, engines in renders:
         assert ours is not None and ours == engines
@@ -89,8 +83,8 @@ def test_a_tokenizer_file_that_is_not_what_the_engine_loads_is_never_used(tiny_m
     assert renders == [(None, renders[0][1])]
 
 
-def test_pieces_between_added_tokens_encode_as_the_whole_text(loaded_dir: Path) -> None:
-    template = LocalTemplate.load(loaded_dir)
+def test_pieces_between_added_tokens_encode_as_the_whole_text(tiny_model_dir: Path) -> None:
+    template = LocalTemplate.load(tiny_model_dir)
     specials = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "\n", " ", "  "]
     words = ["def", " f(x):", "ünï", "😀", "\n\n", "12345", "return", "<|im_sta", "rt|>", "é", "\t", "x"]
     rng = random.Random(0)
@@ -116,7 +110,7 @@ UNSAFE = ["{{ messages[0].__class__.__mro__ }}", "{{ messages[0].update({'role':
           "{{ loop }}{% for m in messages %}{{ loop.__class__.__init__.__globals__ }}{% endfor %}"]
 
 
-def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(loaded_dir: Path) -> None:
+def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(tiny_model_dir: Path) -> None:
     import jinja2.ext
     import jinja2.sandbox
 
@@ -125,7 +119,7 @@ def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(loaded_dir: Path)
     stock = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                          extensions=[jinja2.ext.loopcontrols])
     stock.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    ours = LocalTemplate.load(loaded_dir)
+    ours = LocalTemplate.load(tiny_model_dir)
     messages = [*CONVERSATIONS[3], {"role": "assistant", "content": "y", "reasoning": "r"}]
     shaped = [m for m in (_message(m, "string") for m in messages) if m is not None]
     shaped.append({"role": "user", "content": "x", "keys": "a key named like a method"})
@@ -148,16 +142,16 @@ def test_the_proxys_sandbox_reads_as_transformers_sandbox_does(loaded_dir: Path)
     {"role": "developer", "content": "rules"},
     {"role": "system", "content": "x-anthropic-billing-header: cc_version=1\nBe brief."},
 ])
-def test_what_vllm_shapes_otherwise_is_left_to_the_engine(loaded_dir: Path, message: dict[str, Any]) -> None:
-    template = LocalTemplate.load(loaded_dir)
+def test_what_vllm_shapes_otherwise_is_left_to_the_engine(tiny_model_dir: Path, message: dict[str, Any]) -> None:
+    template = LocalTemplate.load(tiny_model_dir)
     assert template.render(request([message, {"role": "user", "content": "go"}], None), "string") is None
     assert template.render(request([{"role": "user", "content": "go"}], None), "string") is not None
 
 
 @pytest.fixture
-def model_engine(loaded_dir: Path) -> Iterator[tuple[FakeEngine, str]]:
+def model_engine(tiny_model_dir: Path) -> Iterator[tuple[FakeEngine, str]]:
     """A fast fake engine rendering with the tiny model's tokenizer and template, and naming its directory."""
-    fake = FakeEngine(model_dir=str(loaded_dir))
+    fake = FakeEngine(model_dir=str(tiny_model_dir))
     with run_fake_engine(fake) as url:
         yield fake, url
 
@@ -195,7 +189,7 @@ def test_with_the_models_files_at_hand_a_call_is_generate_and_derender(model_eng
 
 @pytest.mark.parametrize("served", ["a local directory", "a cached hub id", "an uncached hub id"])
 def test_the_proxy_says_at_start_which_tokenizer_files_it_renders_with(
-        loaded_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         served: str) -> None:
     """The engine's own model directory; for `vllm serve org/tiny` (the engine's model root no directory here) the
     snapshot this machine's Hugging Face cache holds of it (as `hf download` leaves it), or the engine renders.
@@ -206,20 +200,20 @@ def test_the_proxy_says_at_start_which_tokenizer_files_it_renders_with(
     if served == "a cached hub id":
         snapshot.mkdir(parents=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            (snapshot / name).write_bytes((loaded_dir / name).read_bytes())
+            (snapshot / name).write_bytes((tiny_model_dir / name).read_bytes())
         (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
         (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     caplog.set_level(logging.INFO, logger="proxy.capture.prompts")
-    fake = FakeEngine(model_dir=str(loaded_dir), served_root=None if served == "a local directory" else "org/tiny")
+    fake = FakeEngine(model_dir=str(tiny_model_dir), served_root=None if served == "a local directory" else "org/tiny")
     with run_fake_engine(fake) as url, serve_proxy(ProxyConfig(upstream=url, store_dir=str(tmp_path / "s"))) as proxy:
         said = proxy.proxy.pipeline.prompts.said
         agent = Agent(proxy)
         assert agent.chat([{"role": "user", "content": "one"}]).status_code == 200
         (turn,) = agent.trace().turns
     assert said == {
-        "a local directory": f"prompts are rendered in the proxy with the tokenizer and chat template in {loaded_dir} "
-                             "(the engine's model directory)",
+        "a local directory": "prompts are rendered in the proxy with the tokenizer and chat template in "
+                             f"{tiny_model_dir} (the engine's model directory)",
         "a cached hub id": f"prompts are rendered in the proxy with the tokenizer and chat template in {snapshot} "
                            "(this machine's Hugging Face cache of org/tiny)",
         "an uncached hub id": "prompts are rendered by the engine: its model org/tiny has no tokenizer.json on this "
@@ -229,16 +223,16 @@ def test_the_proxy_says_at_start_which_tokenizer_files_it_renders_with(
     assert turn.metadata["rendered_by"] == ("engine" if served == "an uncached hub id" else "proxy")
 
 
-def test_a_template_that_renders_by_place_is_not_blamed_on_the_proxys_renderer(loaded_dir: Path,
+def test_a_template_that_renders_by_place_is_not_blamed_on_the_proxys_renderer(tiny_model_dir: Path,
                                                                                  tmp_path: Path) -> None:
     """A template that numbers tool results by their place in the conversation (as DeepSeek-V3's opens only the
     first of several tool outputs): the new messages rendered alone differ from the whole conversation's end, in
     the proxy and in the engine alike. The session renders whole from then on; the proxy keeps rendering."""
     placed = tmp_path / "placed"
     placed.mkdir()
-    for item in loaded_dir.iterdir():
+    for item in tiny_model_dir.iterdir():
         (placed / item.name).write_bytes(item.read_bytes())
-    template = (loaded_dir / "chat_template.jinja").read_text()
+    template = (tiny_model_dir / "chat_template.jinja").read_text()
     numbered = template.replace("{{- '\\n<tool_response>\\n' }}",
                                 "{{- '\\n<tool_response>\\n' + (loop.index0 | string) + ': ' }}")
     assert numbered != template
@@ -304,7 +298,7 @@ def test_a_whole_conversation_is_checked_when_its_shape_is_new(model_engine: tup
             turn.request.messages, turn.request.tools)
 
 
-def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: Path) -> None:
+def test_rendering_in_the_proxy_never_imports_torch_or_transformers(tiny_model_dir: Path) -> None:
     import subprocess
     import sys
 
@@ -312,7 +306,7 @@ def test_rendering_in_the_proxy_never_imports_torch_or_transformers(loaded_dir: 
         "import sys, msgspec",
         "from proxy.capture.local_render import LocalTemplate",
         "from proxy.upstream.client import ChatRender",
-        f"template = LocalTemplate.load({str(loaded_dir)!r})",
+        f"template = LocalTemplate.load({str(tiny_model_dir)!r})",
         "messages = [msgspec.Raw(msgspec.json.encode({'role': 'user', 'content': 'hi'}))]",
         "rendered = template.render(ChatRender(messages=messages, add_generation_prompt=True), 'openai')",
         "assert rendered is not None and rendered.count > 3",
