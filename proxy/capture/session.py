@@ -51,7 +51,15 @@ from proxy.capture.store import (
     key_digest,
     private_dir,
 )
-from proxy.capture.tito import CONTINUING, DIGEST, Remembered, ReplyIndex, common_messages, digests
+from proxy.capture.tito import (
+    CONTINUING,
+    DIGEST,
+    Remembered,
+    ReplyIndex,
+    common_messages,
+    digests,
+    ended_by_stop_token,
+)
 from proxy.control_api import Recovery, SessionSummary
 from proxy.errors import ProxyError
 from proxy.tokens import SEP, offset_after, token_ids, token_text
@@ -175,7 +183,8 @@ class Session:
         else:
             self.log.append(line)
         self.turns[node_id] = CapturedTurn(line, anchor)
-        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered))
+        self.replies.add(node_id, Remembered(message_digests, tools_digest, capture.reply, capture.rendered,
+                                             ended_by_stop_token(capture.finish_reason, capture.sampling)))
         self._note_continuation(capture.prefix_break)
         return node_id
 
@@ -250,7 +259,8 @@ class Session:
         anchor = self.turns[line.base].anchor if base is not None and line.base else line.node_id
         self.resting[anchor] = self.resting.get(anchor, 0) + 1
         self.turns[line.node_id] = CapturedTurn(raw + b"\n", anchor)
-        self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply))
+        self.replies.add(line.node_id, Remembered(message_digests, tools_digest, line.reply,
+                                                  stopped=ended_by_stop_token(line.finish_reason, line.sampling)))
         self._note_continuation(line.prefix_break)
         self.calls += 1
         return None

@@ -25,7 +25,7 @@ import json
 from array import array
 from typing import Any
 
-from harness_rl.trace import PrefixBreak, Reply, common_prefix_len
+from harness_rl.trace import PrefixBreak, Reply, Sampling, common_prefix_len
 from proxy.chat import ChatMessage, text_of
 from proxy.tokens import SEP
 
@@ -79,22 +79,33 @@ def _bare(call_id: str) -> str:
     return call_id
 
 
+def ended_by_stop_token(finish_reason: str | None, sampling: Sampling | None) -> bool | None:
+    """Whether a completion's last id is the stop token that ended it: False when it was cut short, None when a
+    stop string may have ended it inside its text (the agent asked for some). One rule for a turn just answered
+    and one read back from the log, so a restarted proxy splices as it did."""
+    if finish_reason not in ("stop", "tool_calls"):
+        return False
+    return None if sampling is not None and sampling.stop else True
+
+
 class Remembered:
     """What a session keeps of one answered call, to recognise its reply when the agent sends it back.
 
     `rendered` is the length and hash of the template's rendering of the call's conversation (token
     text): when the next conversation's rendering starts with it, the reply's rendering starts right
-    there, and no second render is needed to find where the new messages begin.
+    there, and no second render is needed to find where the new messages begin. `stopped`: whether the
+    reply ends with the stop token that ended it (`ended_by_stop_token`).
     """
 
-    __slots__ = ("message_digests", "rendered", "reply", "tools_digest")
+    __slots__ = ("message_digests", "rendered", "reply", "stopped", "tools_digest")
 
     def __init__(self, message_digests: bytes, tools_digest: int | None, reply: Reply | None,
-                 rendered: tuple[int, int] | None = None) -> None:
+                 rendered: tuple[int, int] | None = None, stopped: bool | None = None) -> None:
         self.message_digests = message_digests
         self.tools_digest = tools_digest
         self.reply = reply
         self.rendered = rendered
+        self.stopped = stopped
 
 
 class ReplyIndex:

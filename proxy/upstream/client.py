@@ -20,7 +20,7 @@ import msgspec
 
 from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
-from proxy.tokens import ids_text, offset_after
+from proxy.tokens import SEP, ids_text, offset_after, token_text
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage, ids_below
 from proxy.upstream.wire import (
     DERENDER_DECODER,
@@ -84,6 +84,28 @@ class Generated(msgspec.Struct, frozen=True):
         return self.finish_reason == "stop" and not isinstance(self.stop_reason, str) and bool(self.ids)
 
 
+class Closing(msgspec.Struct, frozen=True):
+    """How the engine's template closes an assistant turn, learned from probe renders (`EngineClient.closing`)."""
+
+    end_of_turn: int  # the id that ends an assistant turn in the template's rendering
+    separator: bytes  # token text between it and the next message
+    opening: bytes = b""  # token text ending every rendering whatever add_generation_prompt says (vLLM's harmony
+    # rendering of gpt-oss: `<|start|>assistant`); b"": the template opens the next turn only when asked
+
+    @property
+    def marker(self) -> bytes:
+        return token_text([self.end_of_turn]) + self.separator
+
+    def after(self, sequence: bytes, stopped: bool) -> bytes:
+        """The token text that closes the reply ending `sequence` (prompt and completion) before the next message.
+        The template's end of turn, unless the reply sampled it; where every rendering ends with an opening
+        (harmony), the stop token the reply sampled (`<|call|>`, `<|return|>`) is its end, written as sampled."""
+        if self.opening:
+            return b"" if stopped else token_text([self.end_of_turn])
+        last = sequence[sequence.rfind(SEP, 0, len(sequence) - 1) + 1:-1]
+        return self.separator if last == str(self.end_of_turn).encode() else self.marker
+
+
 class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: list[Any]
     add_generation_prompt: bool = True
@@ -114,7 +136,7 @@ class EngineClient:
         self.max_model_len: int | None = None
         self.model_root: str | None = None
         self.described = False  # whether the engine has said what it serves (its /v1/models card)
-        self._closing: tuple[int, bytes] | None = None
+        self._closing: Closing | None = None
         self._closing_unknowable = False  # the engine cannot show how its template closes a turn
         self._http: aiohttp.ClientSession | None = None
 
@@ -216,15 +238,15 @@ class EngineClient:
             message = msgspec.structs.replace(message, content=message.content[:cut] if cut >= 0 else message.content)
         return message
 
-    async def closing(self) -> tuple[int, bytes] | None:
+    async def closing(self) -> Closing | None:
         """How the engine's template closes an assistant turn: the end-of-turn id, and the token text after it.
 
-        Learned once from probe renders and kept; None (asked again next time) while the engine
-        cannot say, or when the template closes turns in a way this probe cannot read. Two kinds of engine never
-        can, and get None from then on without asking: one that refuses to render a conversation ending with the
-        assistant (vLLM with Mistral's own tokenizer), and one whose render adds the next turn's opening whether
-        or not it is asked to (vLLM rendering gpt-oss's harmony), whose probe would take that opening for the
-        closing and splice new messages in the wrong place.
+        Learned once from probe renders and kept; None (asked again next time) while the engine cannot say, or
+        when the template closes turns in a way this probe cannot read. An engine that refuses to render a
+        conversation ending with the assistant (vLLM with Mistral's own tokenizer) never can, and gets None from
+        then on without asking. One whose render adds the next turn's opening whether or not it is asked to (vLLM
+        rendering gpt-oss's harmony) shows the closing followed by that opening: both are kept apart
+        (`Closing.opening`), the separator taken as empty, as harmony has it.
         """
         if self._closing is None and not self._closing_unknowable:
             probes = [("A", False), ("A", True), ("B", False)]  # (the reply, add_generation_prompt)
@@ -238,20 +260,19 @@ class EngineClient:
                 self._closing_unknowable = True
                 return None
             closed, opened, other = renders
-            if opened.text == closed.text:
-                log.warning("the engine at %s renders the next turn's opening whatever add_generation_prompt says: "
-                            "each turn's prompt is rendered whole, and a conversation trains as a row per turn",
-                            self.url)
-                self._closing_unknowable = True
-                return None
             a, b = (r.text.split(b",")[:-1] for r in (closed, other))
             shared = 0
             while shared < min(len(a), len(b)) and a[len(a) - 1 - shared] == b[len(b) - 1 - shared]:
                 shared += 1
-            if shared == 0:
-                return None
             suffix = a[len(a) - shared:]
-            self._closing = (int(suffix[0]), b"".join(t + b"," for t in suffix[1:]))
+            if opened.text != closed.text:
+                self._closing = Closing(int(suffix[0]), b"".join(t + b"," for t in suffix[1:])) if shared else None
+            elif shared >= 2:
+                log.info("the engine at %s renders the next turn's opening whatever add_generation_prompt says "
+                         "(harmony): a reply is closed by the stop token it sampled", self.url)
+                self._closing = Closing(int(suffix[0]), b"", b"".join(t + b"," for t in suffix[1:]))
+            else:
+                self._closing_unknowable = True
         return self._closing
 
     async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
