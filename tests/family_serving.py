@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from families import Family, build_model, family_tokenizer, missing
+from families import Family, build_model, family_tokenizer, missing, tokenizer_dir
 from vllm_fixtures import vllm_post, vllm_venv_python
 
 from harness_rl.learner.weight_sync import free_port
@@ -127,6 +127,13 @@ def thinking(family: Family, thought: str) -> str:
 def answer(family: Family, text: str) -> str:
     """A final answer (harmony's goes to its final channel)."""
     return f"<|channel|>final<|message|>{text}" if family.name == "gpt_oss" else text
+
+
+def has_template(family: Family) -> bool:
+    """Whether the family's tokenizer files hold a chat template, which the proxy's own renderer needs (harmony and
+    mistral-common's format are code that only the engine runs)."""
+    config = tokenizer_dir(family) / "tokenizer_config.json"
+    return config.is_file() and "chat_template" in json.loads(config.read_text())
 
 
 def parallel_calls(family: Family) -> bool:

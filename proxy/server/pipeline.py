@@ -105,9 +105,7 @@ class CapturePipeline:
         applied, sampling = self.config.sampling.apply(call.knobs, session.opened.max_tokens_per_turn, seed)
         encoded = [_ENCODER.encode(m) for m in call.messages]
         tools = _ENCODER.encode(call.tools) if call.tools else None
-        conversation = ChatRender(messages=[msgspec.Raw(m) for m in encoded], add_generation_prompt=True,
-                                  tools=msgspec.Raw(tools) if tools else None, tool_choice=call.tool_choice,
-                                  chat_template_kwargs=call.chat_template_kwargs)
+        conversation = conversation_of(call, encoded, tools)
         message_digests = digests(encoded)
         started, version_at_start = time.time(), self.announced_version
         prompt = await self.prompts.make(session, call, conversation, message_digests, hash(tools) if tools else None)
@@ -161,6 +159,15 @@ class CapturePipeline:
                         logprobs=[SampledToken(i, lp) for i, lp in zip(sample.ids, sample.logps, strict=True)]
                         if call.logprobs else None)
         return answer, node_id
+
+
+def conversation_of(call: ChatCall, encoded: list[bytes] | None = None, tools: bytes | None = None) -> ChatRender:
+    """The call's conversation as the engine renders it (its messages and tools JSON-encoded, unless given)."""
+    encoded = [_ENCODER.encode(m) for m in call.messages] if encoded is None else encoded
+    tools = (_ENCODER.encode(call.tools) if call.tools else None) if tools is None else tools
+    return ChatRender(messages=[msgspec.Raw(m) for m in encoded], add_generation_prompt=True,
+                      tools=msgspec.Raw(tools) if tools else None, tool_choice=call.tool_choice,
+                      chat_template_kwargs=call.chat_template_kwargs)
 
 
 def new_answer_id() -> str:

@@ -27,7 +27,6 @@ from proxy.upstream.wire import (
     GENERATE_DECODER,
     MODELS_DECODER,
     RENDER_DECODER,
-    TOKENIZE_DECODER,
     AssistantMessage,
     DerenderChoice,
     DerenderRequest,
@@ -104,13 +103,6 @@ class Closing(msgspec.Struct, frozen=True):
             return b"" if stopped else token_text([self.end_of_turn])
         last = sequence[sequence.rfind(SEP, 0, len(sequence) - 1) + 1:-1]
         return self.separator if last == str(self.end_of_turn).encode() else self.marker
-
-
-class TokenizeChat(msgspec.Struct, kw_only=True, omit_defaults=True):
-    messages: list[Any]
-    add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    model: str | None = None
 
 
 class EngineUnreachable(ProxyError):
@@ -275,19 +267,9 @@ class EngineClient:
                 self._closing_unknowable = True
         return self._closing
 
-    async def count_chat_tokens(self, messages: list[Any], tools: list[Any] | None) -> int:
-        """Exact prompt length from the engine's own chat template (vLLM's `/tokenize` chat form)."""
-        body = TokenizeChat(messages=messages, tools=tools or None, model=await self.served_model())
-        data, _, _ = await self.post("/tokenize", _ENCODER.encode(body))
-        try:
-            return TOKENIZE_DECODER.decode(data).count
-        except msgspec.DecodeError as exc:
-            raise ProxyError(502, f"the engine at {self.url} sent a /tokenize reply this proxy cannot read: "
-                                  f"{exc}") from None
-
     async def post(self, path: str, payload: bytes) -> tuple[bytes, Any, int]:
         status, data, headers, attempts = await self._send_with_retries(path, payload)
-        if status in (403, 404) and path != "/tokenize":
+        if status in (403, 404):
             raise ProxyError(502, f"the engine at {self.url} does not serve {path} (HTTP {status}: "
                                   f"{_error_message(data)}); {VLLM_HINT}")
         if status != 200:

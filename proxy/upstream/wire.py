@@ -191,11 +191,6 @@ class DerenderReply(msgspec.Struct):
     choices: list[DerenderedChoice]
 
 
-class TokenizeReply(msgspec.Struct):
-    count: int
-    tokens: list[int] = []
-
-
 class ModelCard(msgspec.Struct):
     """One served model; vLLM says its context size, the embedded engine also its vocabulary size."""
 
@@ -214,5 +209,4 @@ GENERATE_DECODER = msgspec.json.Decoder(GenerateReply)
 DERENDER_DECODER = msgspec.json.Decoder(DerenderReply)
 CHUNK_DECODER = msgspec.json.Decoder(GenerateChunk)
 DERENDER_STREAM_DECODER = msgspec.json.Decoder(DerenderStreamReply)
-TOKENIZE_DECODER = msgspec.json.Decoder(TokenizeReply)
 MODELS_DECODER = msgspec.json.Decoder(ModelList)
