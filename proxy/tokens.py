@@ -34,8 +34,13 @@ def ids_text(array_json: bytes) -> tuple[bytes, int] | None:
     return (inner + SEP, len(commas) - 1) if inner else (b"", 0)
 
 
+def ids_array(text: bytes) -> msgspec.Raw:
+    """Token text as the JSON array of its ids, to send as it is (no ids turned into ints)."""
+    return msgspec.Raw(b"[" + text[:-1] + b"]" if text else b"[]")
+
+
 def token_ids(text: bytes) -> list[int]:
-    return msgspec.json.decode(b"[" + text[:-1] + b"]") if text else []
+    return msgspec.json.decode(ids_array(text)) if text else []
 
 
 def count_tokens(text: bytes) -> int:

@@ -20,7 +20,7 @@ import msgspec
 
 from harness_rl.wire import MODELS_ROUTE, POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
-from proxy.tokens import SEP, ids_text, offset_after, token_text
+from proxy.tokens import SEP, ids_array, ids_text, offset_after, token_text
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage, ids_below
 from proxy.upstream.wire import (
     DERENDER_DECODER,
@@ -183,7 +183,7 @@ class EngineClient:
 
     async def generate(self, prompt: Rendered, sampling: SamplingParams) -> Generated:
         """Sample from prompt ids; the answer is checked before anyone sees it."""
-        request = GenerateRequest(token_ids=msgspec.Raw(b"[" + prompt.text[:-1] + b"]"), sampling_params=sampling,
+        request = GenerateRequest(token_ids=ids_array(prompt.text), sampling_params=sampling,
                                   model=await self.served_model())
         data, headers, attempts = await self.post("/inference/v1/generate", _ENCODER.encode(request))
         try:
@@ -216,7 +216,7 @@ class EngineClient:
         tail = prompt.text[offset_after(prompt.text, max(prompt.count - DETOKENIZER_SEED_IDS, 0)):]
         request = DerenderRequest(generate_response=GenerateResponse([DerenderChoice(ids, sample.finish_reason)]),
                                   chat_request=msgspec.Raw(chat_request), prompt_tokens=prompt.count,
-                                  prompt_token_ids=msgspec.Raw(b"[" + tail[:-1] + b"]"),
+                                  prompt_token_ids=ids_array(tail),
                                   model=await self.served_model())
         data, _, _ = await self.post("/v1/chat/completions/derender", _ENCODER.encode(request))
         try:

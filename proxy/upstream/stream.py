@@ -35,6 +35,7 @@ from harness_rl.trace import Reply, ToolCall
 from harness_rl.wire import POLICY_VERSION_HEADER
 from proxy.errors import ProxyError
 from proxy.live import TextKind
+from proxy.tokens import ids_array
 from proxy.upstream.checks import VLLM_HINT, check_sample, check_usage
 from proxy.upstream.client import EngineClient, Generated, Rendered
 from proxy.upstream.wire import (
@@ -58,10 +59,6 @@ READ_COST_FACTOR = 4  # reads are spaced by at least this many times the last re
 FIRST_READ_S = 0.01  # the first read waits this long after the first ids (little against a 256-token answer's time)
 
 
-def ids_json(prompt: Rendered) -> msgspec.Raw:
-    return msgspec.Raw(b"[" + prompt.text[:-1] + b"]")
-
-
 class SampleStream:
     """One streamed generate; `async with` it, iterate `steps()`, then take `sample()` (or `partial()`)."""
 
@@ -79,7 +76,7 @@ class SampleStream:
         self._response: aiohttp.ClientResponse | None = None
 
     async def __aenter__(self) -> SampleStream:
-        request = GenerateRequest(token_ids=ids_json(self.prompt), sampling_params=self.sampling,
+        request = GenerateRequest(token_ids=ids_array(self.prompt.text), sampling_params=self.sampling,
                                   model=await self.engine.served_model(), stream=True,
                                   stream_options=StreamOptions(include_usage=True))
         self._response = await self.engine.open_stream("/inference/v1/generate", _ENCODER.encode(request))
@@ -252,7 +249,8 @@ class TextReader:
     async def _read_step(self, ids: list[int], finish: str | None) -> None:
         request = DerenderStreamRequest(
             generate_chunk=GenerateResponse([DerenderChoice(ids, finish)]), stream_state=self._state,
-            chat_request=self.chat_request, prompt_token_ids=ids_json(self.prompt), prompt_tokens=self.prompt.count,
+            chat_request=self.chat_request, prompt_token_ids=ids_array(self.prompt.text),
+            prompt_tokens=self.prompt.count,
             model=await self.engine.served_model())
         data, _, _ = await self.engine.post("/v1/chat/completions/derender", _ENCODER.encode(request))
         try:
