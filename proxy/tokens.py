@@ -40,7 +40,7 @@ def ids_array(text: bytes) -> msgspec.Raw:
 
 
 def token_ids(text: bytes) -> list[int]:
-    return msgspec.json.decode(ids_array(text)) if text else []
+    return msgspec.json.decode(ids_array(text))
 
 
 def count_tokens(text: bytes) -> int:
